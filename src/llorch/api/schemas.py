@@ -1,0 +1,79 @@
+"""Request bodies of the worker API, validated by pydantic, and the 400 error shape."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from llorch.engine.request import GenerationRequest, SamplingParams
+
+UINT64_MAX = (1 << 64) - 1
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=100)]
+
+
+class ExecuteRequest(BaseModel):
+    # Strict: "5" is not an int and true is not a number; unknown fields are errors.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    job_id: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=32768)
+    max_tokens: int = Field(ge=1, le=2048)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.0, le=2.0)
+    stop: list[StopString] = Field(default_factory=list, max_length=4)
+
+    def to_generation_request(self) -> GenerationRequest:
+        sampling = SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+        )
+        return GenerationRequest(self.job_id, self.prompt, self.max_tokens, sampling, tuple(self.stop))
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    job_id: str = Field(min_length=1)
+
+
+# pydantic error type -> the constraint we name, given the error's context.
+_CONSTRAINTS = {
+    "missing": lambda ctx: "required",
+    "extra_forbidden": lambda ctx: "unknown field",
+    "greater_than_equal": lambda ctx: f">= {ctx['ge']}",
+    "less_than_equal": lambda ctx: f"<= {ctx['le']}",
+    "string_too_short": lambda ctx: f"length >= {ctx['min_length']}",
+    "string_too_long": lambda ctx: f"length <= {ctx['max_length']}",
+    "too_short": lambda ctx: f"at least {ctx['min_length']} items",
+    "too_long": lambda ctx: f"at most {ctx['max_length']} items",
+    "model_type": lambda ctx: "JSON object",
+}
+
+
+def field_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """Every violation, as {field, constraint, message, value?}."""
+    errors = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(part) for part in err["loc"]) or "body"
+        kind = err["type"]
+        describe = _CONSTRAINTS.get(kind)
+        constraint = describe(err.get("ctx", {})) if describe else kind.removesuffix("_type") + " type"
+        entry: dict[str, Any] = {"field": loc, "constraint": constraint, "message": err["msg"]}
+        if kind != "missing" and _is_json_value(err.get("input")):
+            entry["value"] = err["input"]
+        errors.append(entry)
+    return errors
+
+
+def _is_json_value(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool, list)) or value is None

@@ -1,0 +1,130 @@
+"""What crosses the api <-> engine boundary: plain requests in, plain events out. No tensors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    job_id: str
+    prompt: str
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+
+
+class StopReason(str, Enum):
+    MAX_TOKENS = "MAX_TOKENS"
+    EOS = "EOS"
+    STOP_SEQUENCE = "STOP_SEQUENCE"
+    CANCELLED = "CANCELLED"
+
+
+class ErrorCode(str, Enum):
+    VRAM_OOM = "VRAM_OOM"
+    CANCELLED = "CANCELLED"
+    TIMEOUT = "TIMEOUT"
+    INVALID_REQUEST = "INVALID_REQUEST"
+    INFERENCE_FAILED = "INFERENCE_FAILED"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of the events one job produces; `to_dict` gives the wire form."""
+
+    def to_dict(self) -> dict[str, Any]:
+        body = {"type": self.type}
+        body.update({k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(self).items()})
+        return body
+
+    @property
+    def type(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def terminal(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Started(Event):
+    job_id: str
+    model: str
+    started_at: str
+
+    @property
+    def type(self) -> str:
+        return "started"
+
+
+@dataclass(frozen=True)
+class TokenText(Event):
+    t: str
+    i: int
+
+    @property
+    def type(self) -> str:
+        return "token"
+
+
+@dataclass(frozen=True)
+class Metrics(Event):
+    tokens_per_sec: float
+    vram_bytes: int
+
+    @property
+    def type(self) -> str:
+        return "metrics"
+
+
+@dataclass(frozen=True)
+class End(Event):
+    tokens_out: int
+    decode_time_ms: float
+    stop_reason: StopReason
+    stop_sequence_matched: str | None = None
+
+    @property
+    def type(self) -> str:
+        return "end"
+
+    @property
+    def terminal(self) -> bool:
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        body = super().to_dict()
+        if body["stop_sequence_matched"] is None:
+            del body["stop_sequence_matched"]
+        return body
+
+
+@dataclass(frozen=True)
+class Error(Event):
+    code: ErrorCode
+    message: str
+
+    @property
+    def type(self) -> str:
+        return "error"
+
+    @property
+    def terminal(self) -> bool:
+        return True
