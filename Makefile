@@ -1,0 +1,43 @@
+# Two commands do all the set-up on a fresh machine:
+#   make serve   -> environment + default model, then the CPU worker on 127.0.0.1:8080
+#   make test    -> the same environment plus test dependencies, then lint and the whole suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Pinned: an unpinned torch on a machine without one pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8080
+
+.PHONY: setup test-setup serve test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install --quiet -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+test-setup: $(VENV)/.installed-test
+
+serve: setup
+	$(VENV)/bin/llorch-cpu-worker --port $(PORT) $(ARGS)
+
+lint: test-setup
+	$(PY) -m ruff check src tests bench
+
+test: test-setup
+	$(PY) -m ruff check src tests bench
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: test-setup
+	$(PY) bench/decode.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
