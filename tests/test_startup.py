@@ -1,0 +1,164 @@
+"""Start-up: the ready callback, and one clear line for every bad start-up input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+
+from conftest import free_port, start_worker, stop_worker
+
+pytestmark = pytest.mark.cpu
+
+
+class CallbackServer:
+    """A local pool-manager stand-in that records callbacks and checks the worker answers."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        self.health_at_callback: list[int] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                try:
+                    outer.health_at_callback.append(httpx.get(f"{body['uri']}/health", timeout=5).status_code)
+                except httpx.HTTPError:
+                    outer.health_at_callback.append(-1)
+                outer.received.append(body)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ready"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> CallbackServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def callback_server() -> Iterator[CallbackServer]:
+    with CallbackServer() as server:
+        yield server
+
+
+def test_ready_callback_after_the_server_answers(tmp_path: Path, callback_server: CallbackServer) -> None:
+    worker = start_worker(tmp_path, "--callback-url", callback_server.url, "--worker-id", "w-7",
+                          "--ctx-size", "64")
+    try:
+        deadline = time.monotonic() + 30
+        while not callback_server.received and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(callback_server.received) == 1
+        body = callback_server.received[0]
+        assert body["worker_id"] == "w-7"
+        assert body["uri"] == worker.base_url
+        assert body["vram_bytes"] > 0
+        assert callback_server.health_at_callback == [200]
+
+        # The same worker, started with --ctx-size 64, refuses a job that cannot fit.
+        response = httpx.post(f"{worker.base_url}/execute",
+                              json={"job_id": "big", "prompt": "word " * 40, "max_tokens": 40})
+        assert response.status_code == 400
+        error = response.json()["errors"][0]
+        assert error["field"] == "max_tokens"
+        assert "context size of 64" in error["message"]
+    finally:
+        stop_worker(worker)
+
+
+def run_worker(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).parent / "llorch-cpu-worker"
+    return subprocess.run([str(exe), "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_refused_callback_means_a_nonzero_exit_after_bounded_retries() -> None:
+    closed_port = free_port()
+    started = time.monotonic()
+    result = run_worker("--callback-url", f"http://127.0.0.1:{closed_port}/ready", "--callback-timeout", "2")
+    assert result.returncode != 0
+    assert "ready callback never succeeded" in result.stderr
+    assert result.stderr.count("ready callback failed") >= 2  # it retried
+    assert time.monotonic() - started < 120
+
+
+def write_gguf(path: Path, architecture: str) -> None:
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def assert_one_line_failure(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode != 0
+    # Progress is logged as JSON lines on stderr; the failure itself is the one plain line.
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("{")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_missing_model_file(tmp_path: Path, callback_server: CallbackServer) -> None:
+    missing = tmp_path / "nope.gguf"
+    result = run_worker("--model", str(missing), "--callback-url", callback_server.url)
+    assert_one_line_failure(result, str(missing), "no such file")
+    assert callback_server.received == []  # never announce a worker that failed
+
+
+def test_truncated_gguf(tmp_path: Path, model_path: Path) -> None:
+    truncated = tmp_path / "half.gguf"
+    truncated.write_bytes(model_path.read_bytes()[: 120_000_000])
+    result = run_worker("--model", str(truncated))
+    assert_one_line_failure(result, str(truncated), "truncated")
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    corrupt = tmp_path / "noise.gguf"
+    corrupt.write_bytes(bytes(range(256)) * 64)
+    result = run_worker("--model", str(corrupt))
+    assert_one_line_failure(result, str(corrupt), "not a GGUF file")
+
+
+def test_unknown_architecture(tmp_path: Path) -> None:
+    odd = tmp_path / "odd.gguf"
+    write_gguf(odd, "mamba9")
+    result = run_worker("--model", str(odd))
+    assert_one_line_failure(result, str(odd), "unknown architecture 'mamba9'")
+
+
+def test_pickle_checkpoints_are_refused(tmp_path: Path) -> None:
+    pickled = tmp_path / "pytorch_model.bin"
+    pickled.write_bytes(b"\x80\x04not really")
+    result = run_worker("--model", str(pickled))
+    assert_one_line_failure(result, str(pickled), "pickle")
+
+
+def test_context_size_beyond_the_model(tmp_path: Path) -> None:
+    result = run_worker("--ctx-size", "999999")
+    assert_one_line_failure(result, "--ctx-size 999999")

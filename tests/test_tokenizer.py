@@ -1,0 +1,54 @@
+"""The tokenizer we build from GGUF metadata encodes and decodes exactly like the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import Reference
+from llorch.weights.gguf import GGUFFile
+from llorch.weights.loader import LoadedModel
+from llorch.weights.tokenizer import cache_dir, tokenizer_from_gguf
+
+pytestmark = pytest.mark.cpu
+
+MULTILINGUAL = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé àccents: déjà vu, naïve café, Straße, øre, ñandú.",
+    "中文字符测试，日本語のテキスト、한국어 문장입니다.",
+    "emoji 🎉👍🏽 family 👨‍👩‍👧 flags 🇫🇷🇯🇵",
+    "  leading spaces,   runs of spaces,\ttabs\t\t and\n\n\nnewline runs\r\n",
+    "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+    "<table><tr><td>cell</td></tr></table> <b>bold</b>",
+    "Ελληνικά, русский, العربية, עברית, हिन्दी, ไทย",
+    "def f(x):\n    return x ** 2  # comment\n",
+    " ",
+    "",
+]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_encode_decode_match_reference(ours: LoadedModel, reference: Reference, text: str) -> None:
+    ids = ours.tokenizer.encode(text)
+    expected = reference.tokenizer(text).input_ids
+    assert ids == expected
+    assert ours.tokenizer.decode(ids) == reference.tokenizer.decode(expected, skip_special_tokens=True)
+    assert ours.tokenizer.decode(ids, skip_special=False) == reference.tokenizer.decode(expected)
+
+
+def test_special_tokens_are_single_ids(ours: LoadedModel) -> None:
+    ids = ours.tokenizer.encode("<start_of_turn>user")
+    assert ids[0] == ours.config.bos_token_id
+    assert ids[1] == 105  # <start_of_turn>, one token, not spelled out
+    assert 106 in ours.tokenizer.eos_token_ids  # <end_of_turn> ends generation
+    assert 1 in ours.tokenizer.eos_token_ids  # <eos>
+
+
+def test_converted_tokenizer_is_cached_on_disk(model_path: Path, ours: LoadedModel) -> None:
+    cached = list((cache_dir() / "tokenizers").glob("*.json"))
+    assert cached, "the first load should have written tokenizer.json to the cache"
+    again = tokenizer_from_gguf(GGUFFile(model_path).metadata, model_path)
+    text = MULTILINGUAL[2]
+    assert again.encode(text) == ours.tokenizer.encode(text)

@@ -1,0 +1,242 @@
+"""The worker API against a real worker subprocess serving the default model."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from conftest import Worker
+from llorch.weights.loader import LoadedModel
+
+pytestmark = pytest.mark.cpu
+
+TERMINAL = ("end", "error")
+
+
+def read_sse(response: httpx.Response) -> list[dict[str, Any]]:
+    """Events of an SSE stream, checking each frame's `event:` name against its data's type."""
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            event = json.loads(line.removeprefix("data: "))
+            assert event["type"] == name
+            events.append(event)
+    return events
+
+
+def execute(worker: Worker, body: dict[str, Any], **headers: str) -> tuple[httpx.Response, list[dict[str, Any]]]:
+    with worker.client() as client, client.stream("POST", "/execute", json=body, headers=headers) as response:
+        if response.status_code != 200:
+            response.read()
+            return response, []
+        if response.headers["content-type"].startswith("application/x-ndjson"):
+            return response, [json.loads(line) for line in response.iter_lines() if line]
+        return response, read_sse(response)
+
+
+def assert_contract_order(events: list[dict[str, Any]], job_id: str) -> None:
+    assert events[0]["type"] == "started"
+    assert events[0]["job_id"] == job_id
+    assert events[0]["model"]
+    assert "T" in events[0]["started_at"]
+    assert [e["type"] for e in events].count("started") == 1
+    assert events[-1]["type"] in TERMINAL
+    assert sum(e["type"] in TERMINAL for e in events) == 1
+    middle = [e["type"] for e in events[1:-1]]
+    assert set(middle) <= {"token", "metrics"}
+    tokens = [e for e in events if e["type"] == "token"]
+    assert [e["i"] for e in tokens] == list(range(len(tokens)))
+
+
+def text_of(events: list[dict[str, Any]]) -> str:
+    return "".join(e["t"] for e in events if e["type"] == "token")
+
+
+def greedy_ids(loaded: LoadedModel, prompt: str, count: int) -> list[int]:
+    from llorch.models.decoder import LayerKV
+
+    cfg = loaded.config
+    ids = loaded.tokenizer.encode(prompt)
+    shape = (1, cfg.num_kv_heads, len(ids) + count, cfg.head_dim)
+    cache = [LayerKV(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    out: list[int] = []
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+        while len(out) < count:
+            token = int(logits[0, -1].argmax())
+            if token in loaded.tokenizer.eos_token_ids:
+                break
+            out.append(token)
+            logits = loaded.model(torch.tensor([[token]]), torch.tensor([len(ids) + len(out) - 1]), cache)
+    return out
+
+
+def test_health_reports_the_contract_fields(worker: Worker) -> None:
+    body = httpx.get(f"{worker.base_url}/health").json()
+    assert body["status"] == "healthy"
+    assert body["backend"] == "cpu"
+    assert body["device"] == "cpu"
+    assert body["model"]
+    assert body["vram_bytes"] > 250_000_000  # the f32 weights alone are over 1 GB
+
+
+def test_greedy_stream_follows_the_contract_and_reassembles_exactly(worker: Worker, ours: LoadedModel) -> None:
+    prompt = "The capital of France is"
+    response, events = execute(worker, {"job_id": "greedy-1", "prompt": prompt, "max_tokens": 24,
+                                        "temperature": 0})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert_contract_order(events, "greedy-1")
+    expected_ids = greedy_ids(ours, prompt, 24)
+    assert text_of(events) == ours.tokenizer.decode(expected_ids)
+    end = events[-1]
+    assert end["type"] == "end"
+    assert end["tokens_out"] == len(expected_ids)
+    assert end["stop_reason"] == ("MAX_TOKENS" if len(expected_ids) == 24 else "EOS")
+    assert end["decode_time_ms"] > 0
+
+
+def test_same_seed_gives_the_same_tokens(worker: Worker) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "seed": 2**64 - 5}
+    _, first = execute(worker, {"job_id": "seed-a", **body})
+    _, second = execute(worker, {"job_id": "seed-b", **body})
+    assert [e for e in first if e["type"] == "token"] == [e for e in second if e["type"] == "token"]
+    assert first[-1]["tokens_out"] == second[-1]["tokens_out"]
+
+
+def test_ndjson_when_the_client_asks_for_it(worker: Worker) -> None:
+    response, events = execute(worker, {"job_id": "nd-1", "prompt": "Hello", "max_tokens": 4, "temperature": 0},
+                               accept="application/x-ndjson")
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    assert_contract_order(events, "nd-1")
+
+
+def test_every_violation_is_listed_in_one_400(worker: Worker) -> None:
+    body = {"job_id": "", "max_tokens": 0, "temperature": 2.5, "top_p": 1.5, "top_k": -1, "min_p": -0.1,
+            "repetition_penalty": 3, "seed": -1, "stop": ["a", "b", "c", "d", "e"], "colour": "blue"}
+    response = httpx.post(f"{worker.base_url}/execute", json=body)
+    assert response.status_code == 400
+    errors = response.json()["errors"]
+    by_field = {e["field"]: e for e in errors}
+    assert set(by_field) == {"job_id", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                             "repetition_penalty", "seed", "stop", "colour"}
+    assert by_field["prompt"]["constraint"] == "required"
+    assert by_field["colour"]["constraint"] == "unknown field"
+    assert by_field["max_tokens"]["value"] == 0
+    assert all(e["message"] for e in errors)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"job_id": "v", "prompt": "x" * 32769, "max_tokens": 1}, "prompt"),
+        ({"job_id": "v", "prompt": "hi", "max_tokens": 2049}, "max_tokens"),
+        ({"job_id": "v", "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ({"job_id": "v", "prompt": "hi", "max_tokens": 5, "stop": ["x" * 101]}, "stop.0"),
+        ({"job_id": "v", "prompt": "hi", "max_tokens": 5, "stop": [""]}, "stop.0"),
+        ({"job_id": "v", "prompt": "hi", "max_tokens": 5, "seed": 2**64}, "seed"),
+    ],
+)
+def test_each_rule_is_enforced(worker: Worker, body: dict[str, Any], field: str) -> None:
+    response = httpx.post(f"{worker.base_url}/execute", json=body)
+    assert response.status_code == 400
+    assert [e["field"] for e in response.json()["errors"]] == [field]
+
+
+def test_malformed_json_is_a_clear_400(worker: Worker) -> None:
+    response = httpx.post(f"{worker.base_url}/execute", content=b'{"job_id": "x", ',
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["errors"][0]["constraint"] == "valid JSON"
+
+
+def test_oversized_body_is_413(worker: Worker) -> None:
+    response = httpx.post(f"{worker.base_url}/execute", content=b"x" * (2 << 20))
+    assert response.status_code == 413
+
+
+def wait_for_idle(worker: Worker, baseline: int) -> int:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        current = httpx.get(f"{worker.base_url}/health").json()["vram_bytes"]
+        if current == baseline:
+            return current
+        time.sleep(0.05)
+    return current
+
+
+def test_cancel_ends_the_stream_and_frees_the_kv_cache(worker: Worker) -> None:
+    baseline = httpx.get(f"{worker.base_url}/health").json()["vram_bytes"]
+    body = {"job_id": "cancel-me", "prompt": "Write a long story about a dragon.", "max_tokens": 2048}
+    events: list[dict[str, Any]] = []
+    with worker.client() as client, client.stream("POST", "/execute", json=body) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "token":
+                    break
+        assert httpx.get(f"{worker.base_url}/health").json()["vram_bytes"] > baseline
+        assert httpx.post(f"{worker.base_url}/cancel", json={"job_id": "cancel-me"}).status_code == 202
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert events[-1]["type"] == "end"
+    assert events[-1]["stop_reason"] == "CANCELLED"
+    assert events[-1]["tokens_out"] < 2048
+    assert wait_for_idle(worker, baseline) == baseline
+
+
+def test_cancel_of_an_unknown_job_is_404(worker: Worker) -> None:
+    assert httpx.post(f"{worker.base_url}/cancel", json={"job_id": "never-seen"}).status_code == 404
+
+
+def test_client_disconnect_cancels_the_job(worker: Worker) -> None:
+    baseline = httpx.get(f"{worker.base_url}/health").json()["vram_bytes"]
+    body = {"job_id": "walk-away", "prompt": "Tell me everything about the ocean.", "max_tokens": 2048}
+    with worker.client() as client, client.stream("POST", "/execute", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["type"] == "token":
+                break
+    assert wait_for_idle(worker, baseline) == baseline
+    # The job is gone: nothing left to cancel.
+    assert httpx.post(f"{worker.base_url}/cancel", json={"job_id": "walk-away"}).status_code == 404
+
+
+@pytest.mark.parametrize("prompt_tokens", [1, 100, 1000])
+def test_prompts_of_1_100_and_1000_tokens(worker: Worker, ours: LoadedModel, prompt_tokens: int) -> None:
+    prompt = "hello" + " hello" * (prompt_tokens - 1)
+    assert len(ours.tokenizer.encode(prompt)) == prompt_tokens + 1  # + BOS
+    _, events = execute(worker, {"job_id": f"len-{prompt_tokens}", "prompt": prompt, "max_tokens": 8,
+                                 "temperature": 0})
+    assert_contract_order(events, f"len-{prompt_tokens}")
+    assert events[-1]["type"] == "end"
+
+
+def test_a_256_token_generation_completes(worker: Worker) -> None:
+    _, events = execute(worker, {"job_id": "long-256", "prompt": "List the numbers from 1 to 500: 1, 2, 3,",
+                                 "max_tokens": 256, "temperature": 0})
+    assert_contract_order(events, "long-256")
+    end = events[-1]
+    assert end["type"] == "end"
+    assert end["stop_reason"] == "MAX_TOKENS"
+    assert end["tokens_out"] == 256
+
+
+def test_a_job_id_in_flight_cannot_be_reused(worker: Worker) -> None:
+    body = {"job_id": "twin", "prompt": "Count slowly:", "max_tokens": 2048}
+    with worker.client() as client, client.stream("POST", "/execute", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+        second = httpx.post(f"{worker.base_url}/execute", json={**body, "max_tokens": 1})
+        assert second.status_code == 409
+        assert second.json()["errors"][0]["field"] == "job_id"
+        httpx.post(f"{worker.base_url}/cancel", json={"job_id": "twin"})
