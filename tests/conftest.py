@@ -31,6 +31,9 @@ from llorch.errors import BackendUnavailable
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
 
+# The references load local files only; never reach for a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_START_TIMEOUT_S = 120
 
