@@ -28,6 +28,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 from llorch.device import resolve_backend
 from llorch.errors import BackendUnavailable
+from llorch.models.decoder import LayerKV
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
 
@@ -143,3 +144,24 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     live = start_worker(tmp_path_factory.mktemp("worker"))
     yield live
     stop_worker(live)
+
+
+def new_cache(loaded: LoadedModel, capacity: int) -> list[LayerKV]:
+    cfg = loaded.config
+    shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
+    return [LayerKV(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+
+
+def greedy_ids(loaded: LoadedModel, ids: list[int], count: int, stop_at_eos: bool = True) -> list[int]:
+    """Up to `count` greedy tokens after `ids`, straight from the decoder (no engine)."""
+    cache = new_cache(loaded, len(ids) + count)
+    out: list[int] = []
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+        while len(out) < count:
+            token = int(logits[0, -1].argmax())
+            if stop_at_eos and token in loaded.tokenizer.eos_token_ids:
+                break
+            out.append(token)
+            logits = loaded.model(torch.tensor([[token]]), torch.tensor([len(ids) + len(out) - 1]), cache)
+    return out

@@ -24,7 +24,7 @@ texts = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_si
 @given(text=texts)
 def test_streamed_pieces_reassemble_exactly_and_stay_valid_utf8(ours: LoadedModel, text: str) -> None:
     ids = ours.tokenizer.backend.encode(text, add_special_tokens=False).ids
-    detok = IncrementalDetokenizer(ours.tokenizer.decode)
+    detok = IncrementalDetokenizer(ours.tokenizer.decode, ours.tokenizer.byte_token_ids, ours.tokenizer.special_ids)
     pieces = [detok.add(i) for i in ids] + [detok.flush()]
     assert "".join(pieces) == ours.tokenizer.decode(ids)
     for piece in pieces[:-1]:
@@ -35,8 +35,9 @@ def test_streamed_pieces_reassemble_exactly_and_stay_valid_utf8(ours: LoadedMode
 def test_a_character_split_across_byte_tokens_is_held_back(ours: LoadedModel) -> None:
     # Byte-fallback tokens for the three UTF-8 bytes of "€" (E2 82 AC).
     byte_ids = [ours.tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in "€".encode()]
-    detok = IncrementalDetokenizer(ours.tokenizer.decode)
-    assert [detok.add(i) for i in byte_ids] == ["", "", "€"]
+    detok = IncrementalDetokenizer(ours.tokenizer.decode, ours.tokenizer.byte_token_ids, ours.tokenizer.special_ids)
+    assert [detok.add(i) for i in byte_ids] == ["", "", ""]
+    assert detok.add(ours.tokenizer.backend.token_to_id("▁the")) == "€ the"
 
 
 @settings(max_examples=300, deadline=None)
@@ -84,3 +85,19 @@ def test_repetition_penalty_lowers_seen_tokens() -> None:
 def test_full_uint64_seed_range_is_accepted() -> None:
     for seed in (0, 2**63 - 1, 2**63, 2**64 - 1):
         make_generator(seed, torch.device("cpu"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_random_token_streams_never_emit_broken_utf8(ours: LoadedModel, data: st.DataObject) -> None:
+    """Any id sequence, including byte-fallback tokens that split characters, streams safely."""
+    backend = ours.tokenizer.backend
+    byte_ids = [backend.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    some_words = [backend.token_to_id(w) for w in ("▁the", "▁café", "中", "▁", "\n") if backend.token_to_id(w)]
+    ids = data.draw(st.lists(st.sampled_from(byte_ids + some_words) | st.integers(300, 262_000), max_size=30))
+    detok = IncrementalDetokenizer(ours.tokenizer.decode, ours.tokenizer.byte_token_ids, ours.tokenizer.special_ids)
+    pieces = [detok.add(i) for i in ids]
+    final = detok.flush()
+    assert "".join(pieces) + final == ours.tokenizer.decode(ids)
+    for piece in pieces:
+        assert not piece.endswith("\ufffd")

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import Reference
-from llorch.models.decoder import LayerKV
+from conftest import Reference, greedy_ids, new_cache
 from llorch.weights.loader import LoadedModel
 
 pytestmark = [pytest.mark.cpu, pytest.mark.reference]
@@ -24,12 +23,6 @@ PROMPTS = [
     "Écris une courte phrase sur la mer. 海はとても広い。",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
 ]
-
-
-def new_cache(loaded: LoadedModel, capacity: int) -> list[LayerKV]:
-    cfg = loaded.config
-    shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
-    return [LayerKV(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
 
 
 def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -65,14 +58,8 @@ def test_logits_match_beyond_the_sliding_window(ours: LoadedModel, reference: Re
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_first_32_greedy_tokens_match_transformers(ours: LoadedModel, reference: Reference, prompt: str) -> None:
     ids = ours.tokenizer.encode(prompt)
-    cache = new_cache(ours, len(ids) + 32)
-    generated: list[int] = []
+    generated = greedy_ids(ours, ids, 32, stop_at_eos=False)
     with torch.inference_mode():
-        logits = ours.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
-        for step in range(32):
-            generated.append(int(logits[0, -1].argmax()))
-            position = torch.tensor([len(ids) + step])
-            logits = ours.model(torch.tensor([[generated[-1]]]), position, cache)
         expected = reference.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
     expected = expected[0, len(ids):].tolist()
     assert generated[: len(expected)] == expected

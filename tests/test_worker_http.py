@@ -8,14 +8,16 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from conftest import Worker
+from conftest import Worker, greedy_ids
 from llorch.weights.loader import LoadedModel
 
 pytestmark = pytest.mark.cpu
 
 TERMINAL = ("end", "error")
+# Greedy on this prompt runs to max_tokens without an end-of-generation token (the
+# 256-token test proves it), so a job built on it stays in flight until cancelled.
+LONG_RUNNING = {"prompt": "List the numbers from 1 to 500: 1, 2, 3,", "temperature": 0}
 
 
 def read_sse(response: httpx.Response) -> list[dict[str, Any]]:
@@ -59,25 +61,6 @@ def text_of(events: list[dict[str, Any]]) -> str:
     return "".join(e["t"] for e in events if e["type"] == "token")
 
 
-def greedy_ids(loaded: LoadedModel, prompt: str, count: int) -> list[int]:
-    from llorch.models.decoder import LayerKV
-
-    cfg = loaded.config
-    ids = loaded.tokenizer.encode(prompt)
-    shape = (1, cfg.num_kv_heads, len(ids) + count, cfg.head_dim)
-    cache = [LayerKV(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
-    out: list[int] = []
-    with torch.inference_mode():
-        logits = loaded.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
-        while len(out) < count:
-            token = int(logits[0, -1].argmax())
-            if token in loaded.tokenizer.eos_token_ids:
-                break
-            out.append(token)
-            logits = loaded.model(torch.tensor([[token]]), torch.tensor([len(ids) + len(out) - 1]), cache)
-    return out
-
-
 def test_health_reports_the_contract_fields(worker: Worker) -> None:
     body = httpx.get(f"{worker.base_url}/health").json()
     assert body["status"] == "healthy"
@@ -94,7 +77,7 @@ def test_greedy_stream_follows_the_contract_and_reassembles_exactly(worker: Work
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert_contract_order(events, "greedy-1")
-    expected_ids = greedy_ids(ours, prompt, 24)
+    expected_ids = greedy_ids(ours, ours.tokenizer.encode(prompt), 24)
     assert text_of(events) == ours.tokenizer.decode(expected_ids)
     end = events[-1]
     assert end["type"] == "end"
@@ -157,6 +140,21 @@ def test_malformed_json_is_a_clear_400(worker: Worker) -> None:
     assert response.json()["errors"][0]["constraint"] == "valid JSON"
 
 
+def test_a_body_that_is_not_an_object_is_a_clear_400(worker: Worker) -> None:
+    response = httpx.post(f"{worker.base_url}/execute", json=["job_id", "prompt"])
+    assert response.status_code == 400
+    assert response.json()["errors"][0]["field"] == "body"
+
+
+def test_stop_sequence_over_http(worker: Worker) -> None:
+    _, events = execute(worker, {"job_id": "stop-http", "prompt": "The capital of France is", "max_tokens": 24,
+                                 "temperature": 0, "stop": [" country"]})
+    assert_contract_order(events, "stop-http")
+    assert " country" not in text_of(events)
+    assert events[-1]["stop_reason"] == "STOP_SEQUENCE"
+    assert events[-1]["stop_sequence_matched"] == " country"
+
+
 def test_oversized_body_is_413(worker: Worker) -> None:
     response = httpx.post(f"{worker.base_url}/execute", content=b"x" * (2 << 20))
     assert response.status_code == 413
@@ -174,7 +172,7 @@ def wait_for_idle(worker: Worker, baseline: int) -> int:
 
 def test_cancel_ends_the_stream_and_frees_the_kv_cache(worker: Worker) -> None:
     baseline = httpx.get(f"{worker.base_url}/health").json()["vram_bytes"]
-    body = {"job_id": "cancel-me", "prompt": "Write a long story about a dragon.", "max_tokens": 2048}
+    body = {"job_id": "cancel-me", "max_tokens": 2048, **LONG_RUNNING}
     events: list[dict[str, Any]] = []
     with worker.client() as client, client.stream("POST", "/execute", json=body) as response:
         lines = response.iter_lines()
@@ -200,7 +198,7 @@ def test_cancel_of_an_unknown_job_is_404(worker: Worker) -> None:
 
 def test_client_disconnect_cancels_the_job(worker: Worker) -> None:
     baseline = httpx.get(f"{worker.base_url}/health").json()["vram_bytes"]
-    body = {"job_id": "walk-away", "prompt": "Tell me everything about the ocean.", "max_tokens": 2048}
+    body = {"job_id": "walk-away", "max_tokens": 2048, **LONG_RUNNING}
     with worker.client() as client, client.stream("POST", "/execute", json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["type"] == "token":
@@ -221,8 +219,7 @@ def test_prompts_of_1_100_and_1000_tokens(worker: Worker, ours: LoadedModel, pro
 
 
 def test_a_256_token_generation_completes(worker: Worker) -> None:
-    _, events = execute(worker, {"job_id": "long-256", "prompt": "List the numbers from 1 to 500: 1, 2, 3,",
-                                 "max_tokens": 256, "temperature": 0})
+    _, events = execute(worker, {"job_id": "long-256", "max_tokens": 256, **LONG_RUNNING})
     assert_contract_order(events, "long-256")
     end = events[-1]
     assert end["type"] == "end"
@@ -231,7 +228,7 @@ def test_a_256_token_generation_completes(worker: Worker) -> None:
 
 
 def test_a_job_id_in_flight_cannot_be_reused(worker: Worker) -> None:
-    body = {"job_id": "twin", "prompt": "Count slowly:", "max_tokens": 2048}
+    body = {"job_id": "twin", "max_tokens": 2048, **LONG_RUNNING}
     with worker.client() as client, client.stream("POST", "/execute", json=body) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):

@@ -97,11 +97,11 @@ def create_app(engine: Engine, info: WorkerInfo) -> FastAPI:
             return error_response(400, exc.field, exc.constraint, exc.message)
 
         media_type = negotiate(request.headers.get("accept"))
-        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def emit(event: Event) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, event.to_dict())
+            loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
             engine.submit(job, prompt_ids, emit)
@@ -114,8 +114,8 @@ def create_app(engine: Engine, info: WorkerInfo) -> FastAPI:
             try:
                 while not terminal_seen:
                     event = await events.get()
-                    terminal_seen = event["type"] in ("end", "error")
-                    yield frame(media_type, event)
+                    terminal_seen = event.terminal
+                    yield frame(media_type, event.to_dict())
             finally:
                 if not terminal_seen:  # the client went away: free the job's resources
                     engine.cancel(job.job_id)

@@ -107,7 +107,9 @@ class Engine:
     def submit(self, request: GenerationRequest, prompt_ids: list[int], emit: Callable[[Event], None]) -> None:
         """Accept a job. Its events, starting with `started`, go to `emit` from the engine thread."""
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
-        seq = Sequence(request, prompt_ids, emit, IncrementalDetokenizer(self.tokenizer.decode), seed)
+        seq = Sequence(request, prompt_ids, emit, IncrementalDetokenizer(
+            self.tokenizer.decode, self.tokenizer.byte_token_ids, self.tokenizer.special_ids
+        ), seed)
         with self._jobs_lock:
             if request.job_id in self._jobs:
                 raise DuplicateJob(request.job_id)
@@ -155,7 +157,11 @@ class Engine:
                                                 "max_tokens": payload.request.max_tokens})
             elif kind == "cancel":
                 seq = self.scheduler.find(str(payload))
-                if seq is not None:
+                if seq is None:
+                    continue
+                if seq.state is SequenceState.WAITING and seq in self.scheduler.waiting:
+                    self._finish(seq, StopReason.CANCELLED)  # never ran: nothing to wait for
+                else:
                     seq.cancel_requested = True
 
     def _step(self) -> None:

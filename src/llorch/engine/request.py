@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -49,18 +49,13 @@ class ErrorCode(str, Enum):
 class Event:
     """Base of the events one job produces; `to_dict` gives the wire form."""
 
+    type: ClassVar[str]
+    terminal: ClassVar[bool] = False  # exactly one terminal event ends every accepted job
+
     def to_dict(self) -> dict[str, Any]:
-        body = {"type": self.type}
+        body: dict[str, Any] = {"type": self.type}
         body.update({k: (v.value if isinstance(v, Enum) else v) for k, v in asdict(self).items()})
         return body
-
-    @property
-    def type(self) -> str:
-        raise NotImplementedError
-
-    @property
-    def terminal(self) -> bool:
-        return False
 
 
 @dataclass(frozen=True)
@@ -69,9 +64,7 @@ class Started(Event):
     model: str
     started_at: str
 
-    @property
-    def type(self) -> str:
-        return "started"
+    type: ClassVar[str] = "started"
 
 
 @dataclass(frozen=True)
@@ -79,9 +72,7 @@ class TokenText(Event):
     t: str
     i: int
 
-    @property
-    def type(self) -> str:
-        return "token"
+    type: ClassVar[str] = "token"
 
 
 @dataclass(frozen=True)
@@ -89,9 +80,7 @@ class Metrics(Event):
     tokens_per_sec: float
     vram_bytes: int
 
-    @property
-    def type(self) -> str:
-        return "metrics"
+    type: ClassVar[str] = "metrics"
 
 
 @dataclass(frozen=True)
@@ -101,13 +90,8 @@ class End(Event):
     stop_reason: StopReason
     stop_sequence_matched: str | None = None
 
-    @property
-    def type(self) -> str:
-        return "end"
-
-    @property
-    def terminal(self) -> bool:
-        return True
+    type: ClassVar[str] = "end"
+    terminal: ClassVar[bool] = True
 
     def to_dict(self) -> dict[str, Any]:
         body = super().to_dict()
@@ -121,10 +105,5 @@ class Error(Event):
     code: ErrorCode
     message: str
 
-    @property
-    def type(self) -> str:
-        return "error"
-
-    @property
-    def terminal(self) -> bool:
-        return True
+    type: ClassVar[str] = "error"
+    terminal: ClassVar[bool] = True

@@ -29,6 +29,7 @@ SPACE_MARK = "\u2581"  # SentencePiece's visible space
 # llama.cpp token types (GGUF tokenizer.ggml.token_type)
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
+TOKEN_BYTE = 6
 
 
 def cache_dir() -> Path:
@@ -45,6 +46,7 @@ class Tokenizer:
     add_bos: bool
     eos_token_ids: frozenset[int]
     special_ids: frozenset[int]
+    byte_token_ids: frozenset[int] = frozenset()  # byte-fallback tokens (<0x00>..<0xFF>)
 
     def encode(self, text: str) -> list[int]:
         """Prompt ids: the text's tokens, after BOS when the model wants one."""
@@ -103,6 +105,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
         add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
         eos_token_ids=frozenset(eos_ids),
         special_ids=special,
+        byte_token_ids=frozenset(i for i, t in enumerate(token_types) if t == TOKEN_BYTE),
     )
 
 

@@ -1,0 +1,185 @@
+"""Generation semantics through the in-process engine (and its HTTP app) on the default model.
+
+Failures are injected by patching one engine step for one job: the worker code under
+test is the real one, with no test hooks in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from conftest import greedy_ids
+from llorch.api.app import WorkerInfo, create_app
+from llorch.engine.engine import Engine
+from llorch.engine.request import Event, GenerationRequest, SamplingParams
+from llorch.engine.runner import ModelRunner
+from llorch.weights.loader import LoadedModel
+
+pytestmark = pytest.mark.cpu
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = "The capital of France is"
+
+
+class Job:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.done = threading.Event()
+
+    def emit(self, event: Event) -> None:
+        self.events.append(event.to_dict())
+        if event.terminal:
+            self.done.set()
+
+    def wait(self, timeout: float = 120) -> dict[str, Any]:
+        assert self.done.wait(timeout), "job never ended"
+        return self.events[-1]
+
+    @property
+    def text(self) -> str:
+        return "".join(e["t"] for e in self.events if e["type"] == "token")
+
+
+def make_engine(loaded: LoadedModel, max_running: int = 4, **tokenizer_changes: Any) -> Engine:
+    runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32)
+    tokenizer = dataclasses.replace(loaded.tokenizer, **tokenizer_changes)
+    engine = Engine(runner, tokenizer, loaded.name, ctx_size=4096, max_running=max_running)
+    engine.start()
+    return engine
+
+
+@pytest.fixture
+def engine(ours: LoadedModel) -> Iterator[Engine]:
+    live = make_engine(ours)
+    yield live
+    live.stop()
+
+
+def run(engine: Engine, job_id: str, prompt: str = PROMPT, max_tokens: int = 12,
+        sampling: SamplingParams = GREEDY, stop: tuple[str, ...] = ()) -> Job:
+    job = Job()
+    request = GenerationRequest(job_id, prompt, max_tokens, sampling, stop)
+    engine.submit(request, engine.prepare(request), job.emit)
+    return job
+
+
+def test_stop_sequence_ends_before_its_text(engine: Engine, ours: LoadedModel) -> None:
+    full = ours.tokenizer.decode(greedy_ids(ours, ours.tokenizer.encode(PROMPT), 12))
+    assert " country" in full  # the greedy continuation: " the capital of the country of France..."
+    job = run(engine, "stop-1", stop=("zzz", " country"))
+    end = job.wait()
+    assert end["stop_reason"] == "STOP_SEQUENCE"
+    assert end["stop_sequence_matched"] == " country"
+    assert job.text == full[: full.index(" country")]
+
+
+def test_every_declared_end_of_generation_id_stops_with_eos(ours: LoadedModel) -> None:
+    ids = greedy_ids(ours, ours.tokenizer.encode(PROMPT), 8)
+    # Declare a greedy token the model has not produced before an end-of-generation id:
+    # generation must stop exactly there.
+    stop_at = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])
+    engine = make_engine(ours, eos_token_ids=ours.tokenizer.eos_token_ids | {ids[stop_at]})
+    try:
+        job = run(engine, "eos-1")
+        end = job.wait()
+    finally:
+        engine.stop()
+    assert end["stop_reason"] == "EOS"
+    assert end["tokens_out"] == stop_at
+    assert job.text == ours.tokenizer.decode(ids[:stop_at])
+
+
+def test_injected_step_failure_ends_only_that_job(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_decode = engine._decode
+
+    def failing_decode(seq: Any) -> None:
+        if seq.job_id == "doomed" and len(seq.output_ids) == 3:
+            raise RuntimeError("injected kernel failure")
+        real_decode(seq)
+
+    monkeypatch.setattr(engine, "_decode", failing_decode)
+    doomed, bystander = run(engine, "doomed", max_tokens=50), run(engine, "bystander", max_tokens=10)
+    error = doomed.wait()
+    assert error == {"type": "error", "code": "INFERENCE_FAILED",
+                     "message": "RuntimeError: injected kernel failure"}
+    assert bystander.wait()["stop_reason"] == "MAX_TOKENS"
+    assert run(engine, "after").wait()["type"] == "end"
+    assert engine.alive
+    assert engine.runner.kv_bytes == 0
+
+
+def test_out_of_memory_is_reported_as_vram_oom(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_prefill = engine._prefill
+
+    def oom_prefill(seq: Any) -> None:
+        if seq.job_id == "huge":
+            raise torch.OutOfMemoryError("injected: tried to allocate 80 GiB")
+        real_prefill(seq)
+
+    monkeypatch.setattr(engine, "_prefill", oom_prefill)
+    assert run(engine, "huge").wait()["code"] == "VRAM_OOM"
+    assert run(engine, "small").wait()["type"] == "end"
+
+
+def test_a_queued_job_is_cancelled_at_once(ours: LoadedModel) -> None:
+    engine = make_engine(ours, max_running=1)
+    try:
+        hog = run(engine, "hog", prompt="List the numbers from 1 to 500: 1, 2, 3,", max_tokens=2000)
+        queued = run(engine, "queued", max_tokens=5)
+        time.sleep(0.3)
+        assert engine.cancel("queued")
+        end = queued.wait(timeout=10)
+        assert not hog.done.is_set()  # the queued job did not wait for the hog
+        assert end["stop_reason"] == "CANCELLED"
+        assert end["tokens_out"] == 0
+        assert [e["type"] for e in queued.events] == ["started", "end"]
+        assert engine.cancel("hog")
+        assert hog.wait()["stop_reason"] == "CANCELLED"
+    finally:
+        engine.stop()
+    assert engine.runner.kv_bytes == 0
+
+
+def test_metrics_are_spaced_and_end_figures_are_true(engine: Engine) -> None:
+    started = time.perf_counter()
+    job = run(engine, "timed", max_tokens=40, sampling=SamplingParams(temperature=0.7, seed=5))
+    end = job.wait()
+    wall_ms = (time.perf_counter() - started) * 1000
+    tokens_out = end["tokens_out"]
+    metrics = [e for e in job.events if e["type"] == "metrics"]
+    assert metrics, "a final metrics event precedes end"
+    assert job.events[-2]["type"] in ("metrics", "token")
+    assert 0 < end["decode_time_ms"] <= wall_ms
+    assert metrics[-1]["tokens_per_sec"] == pytest.approx(tokens_out / end["decode_time_ms"] * 1000, rel=0.2)
+    assert metrics[-1]["vram_bytes"] >= engine.runner.weight_bytes
+    # at most about one metrics event a second, plus the final one
+    assert len(metrics) <= end["decode_time_ms"] / 1000 + 2
+
+
+def test_http_failure_yields_error_event_and_next_request_succeeds(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_decode = engine._decode
+
+    def failing_decode(seq: Any) -> None:
+        if seq.job_id == "http-doomed":
+            raise ValueError("injected")
+        real_decode(seq)
+
+    monkeypatch.setattr(engine, "_decode", failing_decode)
+    client = TestClient(create_app(engine, WorkerInfo("cpu", "cpu", "test")))
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
+    first = client.post("/execute", json={"job_id": "http-doomed", **body}, headers={"accept": "application/x-ndjson"})
+    assert first.status_code == 200
+    assert first.text.strip().splitlines()[-1].startswith('{"type":"error","code":"INFERENCE_FAILED"')
+    second = client.post("/execute", json={"job_id": "http-fine", **body}, headers={"accept": "application/x-ndjson"})
+    assert '"stop_reason":"MAX_TOKENS"' in second.text.strip().splitlines()[-1]
+    assert client.get("/health").json()["status"] == "healthy"
