@@ -13,7 +13,13 @@ import torch
 from scipy.stats import chisquare
 
 from llorch.engine.request import SamplingParams
-from llorch.engine.sampler import apply_repetition_penalty, filtered_probs, make_generator, sample
+from llorch.engine.sampler import (
+    apply_presence_frequency,
+    apply_repetition_penalty,
+    filtered_probs,
+    make_generator,
+    sample,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -111,3 +117,17 @@ def test_stages_apply_in_order_penalty_temperature_top_k_top_p_min_p() -> None:
 def test_greedy_ignores_the_generator() -> None:
     counts = draw(SamplingParams(temperature=0.0))
     assert counts == Counter({0: DRAWS})
+
+
+def test_presence_and_frequency_penalties_follow_openai() -> None:
+    counts = torch.zeros(len(LOGITS))
+    counts[0], counts[3] = 3, 1
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    penalized = apply_presence_frequency(LOGITS, counts, params)
+    assert penalized[0] == pytest.approx(2.0 - 0.5 - 3 * 0.25)
+    assert penalized[3] == pytest.approx(1.1 - 0.5 - 0.25)
+    untouched = [i for i in range(len(LOGITS)) if i not in (0, 3)]
+    assert torch.equal(penalized[untouched], LOGITS[untouched])
+    generator = make_generator(7, torch.device("cpu"))
+    drawn = Counter(int(sample(LOGITS, params, NO_HISTORY, generator, counts)) for _ in range(DRAWS))
+    assert_follows(drawn, torch.softmax(penalized, -1))

@@ -11,15 +11,13 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
 import socket
 import sys
 import time
+from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from llorch.api.app import WorkerInfo, create_app
 from llorch.api.callback import send_ready
@@ -28,13 +26,13 @@ from llorch.engine.engine import Engine
 from llorch.engine.runner import ModelRunner
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
+from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
-from llorch.weights.loader import load_model
+from llorch.weights.loader import LoadedModel, load_model
 
 log = logging.getLogger("llorch.worker")
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-OPEN_PATHS = ("/health",)
 
 
 def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
@@ -50,6 +48,8 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--ctx-size", type=int, default=None, help="max prompt+generated tokens per job")
     parser.add_argument("--api-key", default=os.environ.get("LLORCH_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $LLORCH_API_KEY)")
+    parser.add_argument("--chat-template-file", default=None,
+                        help="jinja2 chat template to use instead of the model's own")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for tensor ops")
     parser.add_argument("--max-running", type=int, default=4, help="jobs advanced concurrently")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
@@ -90,6 +90,7 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
                 f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)"
             )
         runner = ModelRunner(loaded.model, backend.device, dtype)
+        chat_template = load_chat_template(args.chat_template_file, loaded)
     except StartupError as exc:
         print(f"{program}: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -99,10 +100,9 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
 
     engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size, max_running=args.max_running)
     engine.start()
-    info = WorkerInfo(backend=backend.name, device=str(backend.device), model=loaded.name)
-    app = create_app(engine, info)
-    if args.api_key:
-        install_bearer_auth(app, args.api_key)
+    info = WorkerInfo(backend=backend.name, device=str(backend.device), model=loaded.name,
+                      model_id=loaded.model_id)
+    app = create_app(engine, info, chat_template, args.api_key)
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
     try:
         return asyncio.run(serve(app, args, worker_id, engine, info, process_start))
@@ -110,18 +110,23 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
         engine.stop()
 
 
-def install_bearer_auth(app, api_key: str) -> None:  # type: ignore[no-untyped-def]
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):  # type: ignore[no-untyped-def]
-        if request.url.path in OPEN_PATHS:
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            return JSONResponse({"errors": [{"field": "authorization", "constraint": "Bearer API key",
-                                             "message": "missing or wrong API key"}]}, 401)
-        return await call_next(request)
+def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate | None:
+    """The operator's template file, else the model's own, else none (chat answers 400)."""
+    source = loaded.chat_template
+    if path:
+        try:
+            source = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise StartupError(f"{path}: cannot read the chat template ({exc.strerror})") from exc
+    if source is None:
+        return None
+    tokenizer = loaded.tokenizer
+    bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else ""
+    eos = min(tokenizer.eos_token_ids, default=None)
+    try:
+        return ChatTemplate(source, bos, tokenizer.token_text(eos) if eos is not None else "")
+    except ChatTemplateError as exc:
+        raise StartupError(f"{path or loaded.path}: {exc}") from exc
 
 
 async def serve(app, args: argparse.Namespace, worker_id: str, engine: Engine,  # type: ignore[no-untyped-def]

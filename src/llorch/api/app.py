@@ -6,7 +6,6 @@ sends back. Tokenizing a prompt runs in a thread so the event loop never blocks.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -18,14 +17,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from llorch.api.auth import install_bearer_auth
+from llorch.api.jobs import JobStream
+from llorch.api.openai import OpenAIContext, create_openai_router
 from llorch.api.schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.api.streaming import frame, negotiate
 from llorch.engine.engine import DuplicateJob, Engine, RequestRejected
-from llorch.engine.request import Event
+from llorch.weights.chat_template import ChatTemplate
 
 log = logging.getLogger("llorch.api")
 
 MAX_BODY_BYTES = 1 << 20  # a 32k-character prompt in JSON is far below this
+# The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
+WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
 
 
 @dataclass
@@ -33,6 +37,7 @@ class WorkerInfo:
     backend: str
     device: str
     model: str
+    model_id: str = "model"  # the OpenAI API's model id
     draining: bool = False
 
 
@@ -64,8 +69,16 @@ async def read_json(request: Request) -> Any:
                                 "message": f"request body is not valid JSON: {exc}"}]) from exc
 
 
-def create_app(engine: Engine, info: WorkerInfo) -> FastAPI:
+def create_app(
+    engine: Engine,
+    info: WorkerInfo,
+    chat_template: ChatTemplate | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
     app = FastAPI(title="llorch worker", version="0.1.0")
+    app.include_router(create_openai_router(OpenAIContext(engine, info.model_id, chat_template), read_json))
+    if api_key:
+        install_bearer_auth(app, api_key)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -97,29 +110,16 @@ def create_app(engine: Engine, info: WorkerInfo) -> FastAPI:
             return error_response(400, exc.field, exc.constraint, exc.message)
 
         media_type = negotiate(request.headers.get("accept"))
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def emit(event: Event) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
         try:
-            engine.submit(job, prompt_ids, emit)
+            job_stream = JobStream(engine, job, prompt_ids)
         except DuplicateJob:
             return error_response(409, "job_id", "unique among jobs in flight",
                                   f"job {job.job_id!r} is already queued or running")
 
         async def stream() -> AsyncIterator[bytes]:
-            terminal_seen = False
-            try:
-                while not terminal_seen:
-                    event = await events.get()
-                    terminal_seen = event.terminal
+            async for event in job_stream.events():
+                if event.type in WORKER_EVENT_TYPES:
                     yield frame(media_type, event.to_dict())
-            finally:
-                if not terminal_seen:  # the client went away: free the job's resources
-                    engine.cancel(job.job_id)
-                    log.info("client disconnected; job cancelled", extra={"job_id": job.job_id})
 
         return StreamingResponse(stream(), media_type=media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -31,6 +31,7 @@ from llorch.engine.request import (
     Metrics,
     Started,
     StopReason,
+    TokenLogprob,
     TokenText,
 )
 from llorch.engine.runner import ModelRunner
@@ -94,15 +95,18 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> list[int]:
         """Tokenize the prompt and check it fits the context with its max_tokens."""
-        ids = self.tokenizer.encode(request.prompt)
-        if len(ids) + request.max_tokens > self.ctx_size:
+        ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        self.check_fits(len(ids), request.max_tokens)
+        return ids
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.ctx_size:
             raise RequestRejected(
                 "max_tokens",
                 f"prompt_tokens + max_tokens <= {self.ctx_size}",
-                f"the prompt is {len(ids)} tokens; with max_tokens={request.max_tokens} it exceeds "
+                f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it exceeds "
                 f"the context size of {self.ctx_size} tokens",
             )
-        return ids
 
     def submit(self, request: GenerationRequest, prompt_ids: list[int], emit: Callable[[Event], None]) -> None:
         """Accept a job. Its events, starting with `started`, go to `emit` from the engine thread."""
@@ -188,6 +192,9 @@ class Engine:
         seq.seen = torch.empty(seq.capacity, dtype=torch.long, device=self.device)
         prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
         seq.seen[: prompt.numel()] = prompt
+        sampling = seq.request.sampling
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            seq.generated_counts = torch.zeros(self.runner.config.vocab_size, device=self.device)
         seq.state = SequenceState.RUNNING
         logits = self.runner.forward(prompt, 0, seq.cache)
         self._accept_token(seq, logits)
@@ -199,12 +206,16 @@ class Engine:
 
     def _accept_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         assert seq.seen is not None
-        token = sample(logits, seq.request.sampling, seq.seen[: seq.length], seq.generator)
+        token = sample(logits, seq.request.sampling, seq.seen[: seq.length], seq.generator, seq.generated_counts)
         token_id = int(token)  # the sampled id is the only value that leaves the device
+        if seq.request.logprobs is not None:
+            self._emit_logprob(seq, logits, token_id)
         if token_id in self.tokenizer.eos_token_ids:
             self._finish(seq, StopReason.EOS)
             return
         seq.seen[seq.length] = token
+        if seq.generated_counts is not None:
+            seq.generated_counts[token] += 1
         seq.output_ids.append(token_id)
         seq.last_token = token
         self._emit_text(seq, seq.stop_matcher.feed(seq.detokenizer.add(token_id)))
@@ -214,6 +225,18 @@ class Engine:
             self._finish(seq, StopReason.MAX_TOKENS)
         elif time.perf_counter() - seq.last_metrics >= METRICS_INTERVAL_S:
             self._emit_metrics(seq)
+
+    def _emit_logprob(self, seq: Sequence, logits: torch.Tensor, token_id: int) -> None:
+        """Log-probabilities of the model's own distribution (before sampling filters).
+
+        Only requested by the OpenAI API; a handful of floats leave the device per token.
+        """
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top_k = seq.request.logprobs or 0
+        values, ids = torch.topk(logprobs, top_k) if top_k else (logprobs[:0], logprobs[:0].long())
+        decode = self.tokenizer.token_text
+        top = tuple((int(i), decode(int(i)), float(v)) for v, i in zip(values.tolist(), ids.tolist(), strict=True))
+        self._emit(seq, TokenLogprob(token_id, decode(token_id), float(logprobs[token_id]), top))
 
     def _emit_text(self, seq: Sequence, text: str) -> None:
         if text:
@@ -249,7 +272,7 @@ class Engine:
         if seq.cache is not None:
             self.runner.free_cache(seq.cache)
             seq.cache = None
-        seq.seen = seq.last_token = seq.generator = None
+        seq.seen = seq.last_token = seq.generator = seq.generated_counts = None
         seq.state = SequenceState.FINISHED
         self.scheduler.remove(seq)
         with self._jobs_lock:

@@ -14,6 +14,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI-style penalties on tokens already generated (not the prompt).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
     @property
@@ -28,6 +31,10 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    # Report the chosen token's log-probability and this many top alternatives (None: off).
+    logprobs: int | None = None
+    # False for prompts that already carry their special tokens (rendered chat templates).
+    add_special_tokens: bool = True
 
 
 class StopReason(str, Enum):
@@ -73,6 +80,18 @@ class TokenText(Event):
     i: int
 
     type: ClassVar[str] = "token"
+
+
+@dataclass(frozen=True)
+class TokenLogprob(Event):
+    """The log-softmax of the model's logits at one sampled token (only when asked for)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...]
+
+    type: ClassVar[str] = "logprob"
 
 
 @dataclass(frozen=True)

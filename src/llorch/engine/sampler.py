@@ -1,6 +1,6 @@
 """Next-token choice from one sequence's logits, on the device.
 
-Order: repetition penalty, temperature, top-k, top-p, min-p, then a draw from the
+Order: repetition penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, then a draw from the
 sequence's own seeded generator. Temperature 0 is greedy. Only the chosen id
 leaves the device (as a 0-d tensor the engine turns into an int).
 """
@@ -30,6 +30,13 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
     return logits
 
 
+def apply_presence_frequency(logits: Tensor, counts: Tensor | None, params: SamplingParams) -> Tensor:
+    """OpenAI's penalties: subtract frequency * count and presence * (count > 0) per token."""
+    if counts is None or (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0):
+        return logits
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
 def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """The distribution a sampled token is drawn from, after temperature and filters."""
     logits = logits.float() / params.temperature
@@ -49,9 +56,16 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs / probs.sum()
 
 
-def sample(logits: Tensor, params: SamplingParams, seen: Tensor, generator: torch.Generator | None) -> Tensor:
+def sample(
+    logits: Tensor,
+    params: SamplingParams,
+    seen: Tensor,
+    generator: torch.Generator | None,
+    generated_counts: Tensor | None = None,
+) -> Tensor:
     """One token id (0-d tensor on the device) from 1-d `logits` over the vocabulary."""
     logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    logits = apply_presence_frequency(logits, generated_counts, params)
     if params.greedy:
         return torch.argmax(logits)
     return torch.multinomial(filtered_probs(logits, params), 1, generator=generator)[0]

@@ -43,6 +43,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.seen: torch.Tensor | None = None  # on-device ids for the repetition penalty
         self.last_token: torch.Tensor | None = None  # on-device id fed to the next decode step
+        self.generated_counts: torch.Tensor | None = None  # on-device, for presence/frequency penalties
         self.events_sent = 0
         self.decode_started = 0.0
         self.last_metrics = 0.0

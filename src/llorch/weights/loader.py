@@ -27,6 +27,12 @@ class LoadedModel:
     model: Decoder
     tokenizer: Tokenizer
     dtype: torch.dtype
+    chat_template: str | None = None  # jinja2 source, when the model ships one
+
+    @property
+    def model_id(self) -> str:
+        """A stable, URL-safe id for the OpenAI API: the file's name without extension."""
+        return self.path.stem
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -60,4 +66,6 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
     model = model.to(device).eval().requires_grad_(False)
     log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3)})
     name = str(gguf.metadata.get("general.name") or path.stem)
-    return LoadedModel(name=name, path=path, config=config, model=model, tokenizer=tokenizer, dtype=dtype)
+    template = gguf.metadata.get("tokenizer.chat_template")
+    return LoadedModel(name=name, path=path, config=config, model=model, tokenizer=tokenizer, dtype=dtype,
+                       chat_template=str(template) if template else None)

@@ -48,12 +48,20 @@ class Tokenizer:
     special_ids: frozenset[int]
     byte_token_ids: frozenset[int] = frozenset()  # byte-fallback tokens (<0x00>..<0xFF>)
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt ids: the text's tokens, after BOS when the model wants one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Prompt ids: the text's tokens, after BOS when the model wants one.
+
+        Text that already spells its special tokens (a rendered chat template) passes
+        add_special_tokens=False, so BOS is not doubled.
+        """
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (special tokens spelled out)."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)

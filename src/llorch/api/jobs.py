@@ -1,0 +1,44 @@
+"""Bridge from the engine thread to an HTTP handler: submit a job, await its events.
+
+Both APIs (worker and OpenAI) submit through here, so there is one generation path.
+A stream that is abandoned before its terminal event cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from llorch.engine.engine import Engine
+from llorch.engine.request import Event, GenerationRequest
+
+log = logging.getLogger("llorch.api")
+
+
+class JobStream:
+    def __init__(self, engine: Engine, request: GenerationRequest, prompt_ids: list[int]) -> None:
+        """Submit the job now (raises DuplicateJob); its events are read with `events()`."""
+        self.engine = engine
+        self.request = request
+        self.prompt_tokens = len(prompt_ids)
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def emit(event: Event) -> None:  # runs on the engine thread
+            loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+        engine.submit(request, prompt_ids, emit)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event up to and including the terminal one."""
+        terminal_seen = False
+        try:
+            while not terminal_seen:
+                event = await self._queue.get()
+                terminal_seen = event.terminal
+                yield event
+        finally:
+            if not terminal_seen:  # the client went away: free the job's resources
+                self.engine.cancel(self.request.job_id)
+                log.info("client disconnected; job cancelled", extra={"job_id": self.request.job_id})
