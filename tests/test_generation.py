@@ -17,7 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from conftest import greedy_ids
-from llorch.api.app import WorkerInfo, create_app
+from llorch.api.app import WorkerState, create_app
 from llorch.engine.engine import Engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams
 from llorch.engine.runner import ModelRunner
@@ -175,7 +175,9 @@ def test_http_failure_yields_error_event_and_next_request_succeeds(
         real_decode(seq)
 
     monkeypatch.setattr(engine, "_decode", failing_decode)
-    client = TestClient(create_app(engine, WorkerInfo("cpu", "cpu", "test")))
+    state = WorkerState("cpu", "cpu", telemetry=engine.telemetry)
+    state.attach(engine, "test", "test", None)
+    client = TestClient(create_app(state))
     body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
     first = client.post("/execute", json={"job_id": "http-doomed", **body}, headers={"accept": "application/x-ndjson"})
     assert first.status_code == 200

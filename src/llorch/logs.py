@@ -8,13 +8,21 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextvars import ContextVar
 from datetime import datetime, timezone
+
+# Set per HTTP request (X-Correlation-ID); every log line written in that request carries it.
+correlation_id: ContextVar[str | None] = ContextVar("correlation_id", default=None)
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "color_message"}
 
 
 def _extras(record: logging.LogRecord) -> dict[str, object]:
-    return {k: v for k, v in vars(record).items() if k not in _STANDARD}
+    extras = {k: v for k, v in vars(record).items() if k not in _STANDARD}
+    current = correlation_id.get()
+    if current is not None:
+        extras.setdefault("correlation_id", current)
+    return extras
 
 
 class JsonFormatter(logging.Formatter):

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 import uvicorn
+from fastapi import FastAPI
 
-from llorch.api.app import WorkerInfo, create_app
+from llorch.api.app import WorkerState, create_app
 from llorch.api.callback import send_ready
-from llorch.device import resolve_backend, verify_device
+from llorch.device import Backend, resolve_backend, verify_device
 from llorch.engine.engine import Engine
 from llorch.engine.runner import ModelRunner
 from llorch.errors import StartupError
@@ -52,6 +54,12 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
                         help="jinja2 chat template to use instead of the model's own")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for tensor ops")
     parser.add_argument("--max-running", type=int, default=4, help="jobs advanced concurrently")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="end a job still running after this many seconds with error TIMEOUT")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds to let running jobs finish (default 30)")
+    parser.add_argument("--max-connections", type=int, default=256,
+                        help="concurrent HTTP connections before new ones get 503 (default 256)")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
     parser.add_argument("--log-level", default="info")
     if backend == "cuda":
@@ -77,37 +85,47 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     setup_logging(args.log_format, args.log_level)
     process_start = time.perf_counter()
     try:
+        # The backend is checked before anything else: a missing one exits at once.
         backend = resolve_backend(backend_name, getattr(args, "cuda_device", 0))
         if args.threads:
             torch.set_num_threads(args.threads)
         verify_device(backend.device)
-        model_path = args.model or default_model_path()
-        dtype = resolve_dtype(args.dtype, backend.device)
-        loaded = load_model(model_path, backend.device, dtype)
-        ctx_size = args.ctx_size or loaded.config.context_length
-        if not 0 < ctx_size <= loaded.config.context_length:
-            raise StartupError(
-                f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)"
-            )
-        runner = ModelRunner(loaded.model, backend.device, dtype)
-        chat_template = load_chat_template(args.chat_template_file, loaded)
     except StartupError as exc:
         print(f"{program}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),
-                                    "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-                                    "seconds": round(time.perf_counter() - process_start, 3)})
-
-    engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size, max_running=args.max_running)
-    engine.start()
-    info = WorkerInfo(backend=backend.name, device=str(backend.device), model=loaded.name,
-                      model_id=loaded.model_id)
-    app = create_app(engine, info, chat_template, args.api_key)
+    state = WorkerState(backend=backend.name, device=str(backend.device))
+    app = create_app(state, args.api_key)
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
+    lifecycle = Lifecycle(program, args, backend, state, worker_id, process_start)
     try:
-        return asyncio.run(serve(app, args, worker_id, engine, info, process_start))
+        return asyncio.run(lifecycle.run(app))
     finally:
-        engine.stop()
+        if state.engine is not None:
+            state.engine.stop()
+
+
+def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) -> None:
+    """Load the model, build the engine and attach it to `state` (runs in a worker thread)."""
+    model_path = args.model or default_model_path()
+    dtype = resolve_dtype(args.dtype, backend.device)
+
+    def progress(done: int, total: int) -> None:
+        state.loading_progress = done / total
+
+    loaded = load_model(model_path, backend.device, dtype, progress=progress)
+    ctx_size = args.ctx_size or loaded.config.context_length
+    if not 0 < ctx_size <= loaded.config.context_length:
+        raise StartupError(f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)")
+    runner = ModelRunner(loaded.model, backend.device, dtype)
+    chat_template = load_chat_template(args.chat_template_file, loaded)
+    state.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "backend": backend.name,
+                                "device": str(backend.device), "dtype": str(dtype).removeprefix("torch.")})
+    engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size, max_running=args.max_running,
+                    telemetry=state.telemetry, request_timeout=args.request_timeout)
+    engine.start()
+    state.attach(engine, loaded.name, loaded.model_id, chat_template)
+    log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),
+                                    "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()})
 
 
 def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate | None:
@@ -129,33 +147,93 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate | 
         raise StartupError(f"{path or loaded.path}: {exc}") from exc
 
 
-async def serve(app, args: argparse.Namespace, worker_id: str, engine: Engine,  # type: ignore[no-untyped-def]
-                info: WorkerInfo, process_start: float) -> int:
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            print(f"llorch-{info.backend}-worker: error: could not serve on {args.host}:{args.port}",
-                  file=sys.stderr)
-            return 1
-        await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    uri = f"http://{advertised_host(args.host)}:{port}"
-    log.info("worker ready", extra={"uri": uri, "worker_id": worker_id,
-                                    "start_to_ready_s": round(time.perf_counter() - process_start, 3)})
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening beyond loopback", extra={"host": args.host, "auth": bool(args.api_key)})
-    if args.callback_url:
-        payload = {"worker_id": worker_id, "vram_bytes": engine.runner.resident_bytes, "uri": uri}
-        if not await send_ready(args.callback_url, payload, args.callback_timeout):
-            log.error("ready callback never succeeded; exiting", extra={"url": args.callback_url})
-            server.should_exit = True
-            await task
-            return 1
-    await task
-    return 0
+class Lifecycle:
+    """bind -> load (health says loading) -> ready callback -> serve -> drain on SIGTERM/SIGINT -> exit."""
+
+    def __init__(self, program: str, args: argparse.Namespace, backend: Backend, state: WorkerState,
+                 worker_id: str, process_start: float) -> None:
+        self.program, self.args, self.backend, self.state = program, args, backend, state
+        self.worker_id, self.process_start = worker_id, process_start
+        self.server: uvicorn.Server | None = None
+        self.drain_task: asyncio.Task[None] | None = None
+
+    def fail(self, message: str) -> None:
+        print(f"{self.program}: error: {message}", file=sys.stderr)
+
+    async def run(self, app: FastAPI) -> int:
+        args = self.args
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                                timeout_graceful_shutdown=5, limit_concurrency=args.max_connections)
+        server = self.server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                self.fail(f"could not serve on {args.host}:{args.port}")
+                return 1
+            await asyncio.sleep(0.02)
+        self.install_signal_handlers()
+        port = server.servers[0].sockets[0].getsockname()[1]
+        uri = f"http://{advertised_host(args.host)}:{port}"
+        log.info("listening; loading the model", extra={"uri": uri})
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("listening beyond loopback", extra={"host": args.host, "auth": bool(args.api_key)})
+
+        try:
+            await asyncio.to_thread(load_engine, args, self.backend, self.state)
+        except StartupError as exc:
+            self.fail(str(exc))
+            await self.stop_server(task)
+            return exc.exit_code
+        if self.state.draining:  # told to stop while loading
+            await self.stop_server(task)
+            return 0
+        engine = self.state.engine
+        assert engine is not None
+        log.info("worker ready", extra={"uri": uri, "worker_id": self.worker_id,
+                                        "start_to_ready_s": round(time.perf_counter() - self.process_start, 3)})
+        if args.callback_url:
+            payload = {"worker_id": self.worker_id, "vram_bytes": engine.runner.resident_bytes, "uri": uri}
+            if not await send_ready(args.callback_url, payload, args.callback_timeout):
+                log.error("ready callback never succeeded; exiting", extra={"url": args.callback_url})
+                await self.stop_server(task)
+                return 1
+        await task
+        if self.drain_task is not None:
+            await self.drain_task
+        return 0
+
+    async def stop_server(self, task: asyncio.Task[None]) -> None:
+        assert self.server is not None
+        self.server.should_exit = True
+        await task
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.begin_drain, signum)
+
+    def begin_drain(self, signum: int) -> None:
+        if self.drain_task is not None:
+            return
+        log.info("draining", extra={"signal": signal.Signals(signum).name, "timeout_s": self.args.drain_timeout})
+        self.state.draining = True
+        self.drain_task = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        """Refuse new jobs, let running ones finish for --drain-timeout, cancel the rest, stop."""
+        engine = self.state.engine
+        if engine is not None:
+            deadline = time.monotonic() + self.args.drain_timeout
+            while engine.jobs_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if engine.jobs_in_flight:
+                log.warning("drain timeout; cancelling the remaining jobs", extra={"jobs": engine.jobs_in_flight})
+                engine.abort_all("the worker is shutting down")
+                while engine.jobs_in_flight:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # let the last terminal events reach their streams
+        assert self.server is not None
+        self.server.should_exit = True
 
 
 def cpu_main() -> None:

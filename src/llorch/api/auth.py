@@ -1,4 +1,4 @@
-"""Bearer-token auth for every endpoint but /health, compared in constant time."""
+"""Bearer-token auth for every endpoint but /health and /metrics, compared in constant time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def install_bearer_auth(app: FastAPI, api_key: str) -> None:

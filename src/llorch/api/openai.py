@@ -67,24 +67,73 @@ class Choice:
         return FINISH_REASONS.get(self.end.stop_reason.value) if self.end else None
 
 
-@dataclass
 class OpenAIContext:
-    engine: Engine
-    model_id: str
-    chat_template: ChatTemplate | None
+    """The worker's state as the OpenAI routes see it (the engine arrives after loading)."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    @property
+    def model_id(self) -> str:
+        return self._state.model_id
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._state.chat_template
+
+    def ready(self) -> Engine:
+        """The engine, or a 503 while the worker loads or drains."""
+        why = self._state.unavailable()
+        if why or self._state.engine is None:
+            raise OpenAIError(503, why or "unavailable", kind="server_error", code="unavailable")
+        return self._state.engine
+
+
+_ERROR_BODY = {"application/json": {"schema": {"type": "object", "required": ["error"], "properties": {
+    "error": {"type": "object", "required": ["message", "type"]}}}}}
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "A completion, or its chunks when stream=true",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+                          "data": {"type": "string"}}}}}},
+    **{code: {"description": text, "content": _ERROR_BODY} for code, text in (
+        (400, "Invalid or unsupported parameters"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+        (413, "Body too large"), (500, "Generation failed"), (503, "Loading, draining or out of memory"))},
+}
+
+
+def request_body(model: type[OpenAIRequest]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def openapi_components() -> dict[str, Any]:
+    """JSON schemas of the OpenAI request bodies, for the app's OpenAPI document."""
+    components: dict[str, Any] = {}
+    for model in (CompletionRequest, ChatCompletionRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+    return components
 
 
 def create_openai_router(ctx: OpenAIContext, read_json: Any) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
-    @router.get("/models")
-    async def models() -> dict[str, Any]:
+    @router.get("/models", response_model=None, responses={503: {"description": "Loading",
+                                                                   "content": _ERROR_BODY}})
+    async def models() -> dict[str, Any] | JSONResponse:
+        try:
+            ctx_size = ctx.ready().ctx_size
+        except OpenAIError as exc:
+            return exc.response()
         return {"object": "list", "data": [{
             "id": ctx.model_id, "object": "model", "created": 0, "owned_by": "llorch",
-            "context_length": ctx.engine.ctx_size, "max_model_len": ctx.engine.ctx_size,
+            "context_length": ctx_size, "max_model_len": ctx_size,
         }]}
 
-    @router.post("/completions", response_model=None)
+    @router.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
+                 responses=GENERATION_RESPONSES)
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
         try:
             body = await parse(request, CompletionRequest)
@@ -92,7 +141,8 @@ def create_openai_router(ctx: OpenAIContext, read_json: Any) -> APIRouter:
         except OpenAIError as exc:
             return exc.response()
 
-    @router.post("/chat/completions", response_model=None)
+    @router.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
+                 responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         try:
             body = await parse(request, ChatCompletionRequest)
@@ -122,6 +172,7 @@ def create_openai_router(ctx: OpenAIContext, read_json: Any) -> APIRouter:
             first = exc.errors(include_url=False)[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             raise OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from exc
+        ctx.ready()  # 503 while loading or draining, before anything else
         if body.model != ctx.model_id:
             raise OpenAIError(404, f"The model `{body.model}` does not exist; this worker serves "
                               f"`{ctx.model_id}`.", param="model", code="model_not_found")
@@ -132,7 +183,7 @@ def create_openai_router(ctx: OpenAIContext, read_json: Any) -> APIRouter:
 
 async def generate(ctx: OpenAIContext, body: Any, prompt: str, add_special: bool, logprobs: int | None,
                    chat: bool) -> JSONResponse | StreamingResponse:
-    engine = ctx.engine
+    engine = ctx.ready()
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     prompt_ids = await run_in_threadpool(engine.tokenizer.encode, prompt, add_special)

@@ -38,6 +38,7 @@ from llorch.engine.runner import ModelRunner
 from llorch.engine.sampler import make_generator, sample
 from llorch.engine.scheduler import Scheduler
 from llorch.engine.sequence import Sequence, SequenceState
+from llorch.engine.telemetry import Telemetry
 from llorch.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("llorch.engine")
@@ -66,6 +67,8 @@ class Engine:
         model_name: str,
         ctx_size: int,
         max_running: int = 4,
+        telemetry: Telemetry | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -79,6 +82,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="llorch-engine", daemon=True)
         self._stopping = threading.Event()
         self.failed: BaseException | None = None
+        self.request_timeout = request_timeout
+        self.telemetry = telemetry or Telemetry()
+        self.telemetry.queue_depth.set_function(lambda: len(self.scheduler.waiting))
+        self.telemetry.running.set_function(lambda: len(self.scheduler.running))
+        self.telemetry.kv_cache_bytes.set_function(lambda: self.runner.kv_bytes)
+        self.telemetry.weights_bytes.set_function(lambda: self.runner.weight_bytes)
 
     # -- called from the HTTP side --------------------------------------------------------
     def start(self) -> None:
@@ -128,6 +137,10 @@ class Engine:
         self._inbox.put(("cancel", job_id))
         return True
 
+    def abort_all(self, message: str) -> None:
+        """End every queued and running job with a CANCELLED error (used when shutting down)."""
+        self._inbox.put(("abort", message))
+
     @property
     def jobs_in_flight(self) -> int:
         with self._jobs_lock:
@@ -154,6 +167,7 @@ class Engine:
             if kind == "submit":
                 assert isinstance(payload, Sequence)
                 self.scheduler.add(payload)
+                self.telemetry.prompt_tokens.inc(len(payload.prompt_ids))
                 started_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
                 self._emit(payload, Started(payload.job_id, self.model_name, started_at))
                 log.info("job accepted", extra={"job_id": payload.job_id, "seed": payload.seed,
@@ -167,8 +181,13 @@ class Engine:
                     self._finish(seq, StopReason.CANCELLED)  # never ran: nothing to wait for
                 else:
                     seq.cancel_requested = True
+            elif kind == "abort":
+                for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                    self._fail(seq, ErrorCode.CANCELLED, str(payload))
 
     def _step(self) -> None:
+        if self.request_timeout is not None:
+            self._expire(time.perf_counter() - self.request_timeout)
         plan = self.scheduler.plan()
         for seq in [*plan.prefill, *plan.decode]:
             if seq.cancel_requested:
@@ -184,6 +203,12 @@ class Engine:
             except Exception as exc:  # one job's failure must not take down the others
                 log.exception("step failed", extra={"job_id": seq.job_id})
                 self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
+
+    def _expire(self, accepted_before: float) -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.accepted_at < accepted_before:
+                self._fail(seq, ErrorCode.TIMEOUT, f"the job ran past the request timeout of "
+                                                    f"{self.request_timeout:g} s")
 
     def _prefill(self, seq: Sequence) -> None:
         seq.decode_started = seq.last_metrics = time.perf_counter()
@@ -201,13 +226,18 @@ class Engine:
 
     def _decode(self, seq: Sequence) -> None:
         assert seq.cache is not None and seq.last_token is not None
+        started = time.perf_counter()
         logits = self.runner.forward(seq.last_token.view(1), seq.length - 1, seq.cache)
         self._accept_token(seq, logits)
+        self.telemetry.time_per_output_token.observe(time.perf_counter() - started)
 
     def _accept_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         assert seq.seen is not None
         token = sample(logits, seq.request.sampling, seq.seen[: seq.length], seq.generator, seq.generated_counts)
         token_id = int(token)  # the sampled id is the only value that leaves the device
+        self.telemetry.generated_tokens.inc()
+        if not seq.output_ids:
+            self.telemetry.time_to_first_token.observe(time.perf_counter() - seq.accepted_at)
         if seq.request.logprobs is not None:
             self._emit_logprob(seq, logits, token_id)
         if token_id in self.tokenizer.eos_token_ids:
@@ -259,12 +289,14 @@ class Engine:
         elapsed_ms = (time.perf_counter() - seq.decode_started) * 1000 if seq.decode_started else 0.0
         end = End(len(seq.output_ids), round(elapsed_ms, 3), reason, seq.stop_matcher.matched)
         self._release(seq)
+        self.telemetry.requests.labels(outcome=reason.value.lower()).inc()
         self._emit(seq, end)
         log.info("job finished", extra={"job_id": seq.job_id, "stop_reason": reason.value,
                                         "tokens_out": end.tokens_out, "decode_time_ms": end.decode_time_ms})
 
     def _fail(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         self._release(seq)
+        self.telemetry.requests.labels(outcome=f"error_{code.value.lower()}").inc()
         self._emit(seq, Error(code, message))
         log.error("job failed", extra={"job_id": seq.job_id, "code": code.value, "error": message})
 

@@ -6,7 +6,7 @@ numbers a Hugging Face checkpoint would give it (modulo quantization).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -122,16 +122,24 @@ def gguf_tensor_names(config: ModelConfig) -> Iterator[tuple[str, str]]:
         yield f"blk.{i}.ffn_norm.weight", f"layers.{i}.{pre_mlp}.weight"
 
 
-def state_dict_from_gguf(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def state_dict_from_gguf(
+    gguf: GGUFFile,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
     """Dequantized tensors under our names, in `dtype` (norms stay float32).
 
     Gemma's norm weights are stored by llama.cpp already as the effective multiplier
     (1 + w), which is what our RMSNorm uses, so they are taken as they are.
     """
     state: dict[str, torch.Tensor] = {}
-    for gguf_name, ours in gguf_tensor_names(config):
+    names = list(gguf_tensor_names(config))
+    for done, (gguf_name, ours) in enumerate(names, start=1):
         if gguf_name not in gguf.tensors:
             raise ModelFileError(gguf.path, f"tensor {gguf_name} is missing")
         tensor = gguf.dequantize(gguf_name)
         state[ours] = tensor if tensor.ndim == 1 else tensor.to(dtype)
+        if progress is not None:
+            progress(done, len(names))
     return state

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from llorch.errors import ModelFileError
 from llorch.models.config import ModelConfig
@@ -35,7 +38,13 @@ class LoadedModel:
         return self.path.stem
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(
+    path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadedModel:
+    """Config, tokenizer and weights from the file; `progress(done, total)` follows the weights."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(path, "no such file or directory")
@@ -46,12 +55,26 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
 
     started = time.perf_counter()
     gguf = GGUFFile(path)
-    config = config_from_gguf(gguf)
-    tokenizer = tokenizer_from_gguf(gguf.metadata, path)
+    try:  # metadata of the wrong type or shape is a broken file, not a crash
+        config = config_from_gguf(gguf)
+        tokenizer = tokenizer_from_gguf(gguf.metadata, path)
+    except Exception as exc:
+        if isinstance(exc, ModelFileError):
+            raise
+        raise ModelFileError(path, f"invalid model metadata ({type(exc).__name__}: {exc})") from exc
     log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
     started = time.perf_counter()
-    state = state_dict_from_gguf(gguf, config, dtype)
+    with tqdm(total=len(gguf.tensors), desc="loading weights", unit="tensor", disable=not sys.stderr.isatty(),
+              leave=False) as bar:
+
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+            if progress is not None:
+                progress(done, total)
+
+        state = state_dict_from_gguf(gguf, config, dtype, advance)
     with torch.device("meta"):
         model = Decoder(config)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}

@@ -1,0 +1,29 @@
+"""Prometheus metrics of one worker, in a registry of its own (not the process-global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+# Seconds; spans a fast GPU token to a slow CPU prefill.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("llorch_requests", "Requests by outcome (an end reason, an error code, "
+                                "or a rejection before the job started)", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("llorch_prompt_tokens", "Prompt tokens of accepted jobs", registry=r)
+        self.generated_tokens = Counter("llorch_generated_tokens", "Tokens generated", registry=r)
+        self.time_to_first_token = Histogram(
+            "llorch_time_to_first_token_seconds", "From a job's acceptance to its first generated token",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram(
+            "llorch_time_per_output_token_seconds", "Engine time per generated token after the first",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("llorch_queue_depth", "Jobs accepted and waiting for a slot", registry=r)
+        self.running = Gauge("llorch_running_jobs", "Jobs being generated", registry=r)
+        self.kv_cache_bytes = Gauge("llorch_kv_cache_bytes", "Bytes held by KV caches on the device", registry=r)
+        self.weights_bytes = Gauge("llorch_weights_bytes", "Bytes of model weights on the device", registry=r)
+        self.model = Info("llorch_model", "The served model and device", registry=r)
