@@ -119,7 +119,8 @@ def start_worker(tmp: Path, *extra: str, program: str = "llorch-cpu-worker") -> 
         if process.poll() is not None:
             raise RuntimeError(f"worker exited with {process.returncode}:\n{worker.log()}")
         try:
-            if httpx.get(f"{worker.base_url}/health", timeout=1).status_code == 200:
+            # /health answers while the model loads; the worker is ready when it says healthy.
+            if httpx.get(f"{worker.base_url}/health", timeout=1).json().get("status") == "healthy":
                 return worker
         except httpx.HTTPError:
             pass

@@ -48,10 +48,12 @@ class Job:
         return "".join(e["t"] for e in self.events if e["type"] == "token")
 
 
-def make_engine(loaded: LoadedModel, max_running: int = 4, **tokenizer_changes: Any) -> Engine:
+def make_engine(loaded: LoadedModel, max_running: int = 4, request_timeout: float | None = None,
+                **tokenizer_changes: Any) -> Engine:
     runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32)
     tokenizer = dataclasses.replace(loaded.tokenizer, **tokenizer_changes)
-    engine = Engine(runner, tokenizer, loaded.name, ctx_size=4096, max_running=max_running)
+    engine = Engine(runner, tokenizer, loaded.name, ctx_size=4096, max_running=max_running,
+                    request_timeout=request_timeout)
     engine.start()
     return engine
 
@@ -185,3 +187,20 @@ def test_http_failure_yields_error_event_and_next_request_succeeds(
     second = client.post("/execute", json={"job_id": "http-fine", **body}, headers={"accept": "application/x-ndjson"})
     assert '"stop_reason":"MAX_TOKENS"' in second.text.strip().splitlines()[-1]
     assert client.get("/health").json()["status"] == "healthy"
+
+
+def test_request_timeout_ends_overlong_jobs_with_timeout(ours: LoadedModel) -> None:
+    engine = make_engine(ours, request_timeout=1.0)
+    try:
+        started = time.perf_counter()
+        slow = run(engine, "slow", prompt="List the numbers from 1 to 500: 1, 2, 3,", max_tokens=2000)
+        error = slow.wait(timeout=30)
+        elapsed = time.perf_counter() - started
+        quick = run(engine, "quick", max_tokens=2)
+        assert quick.wait()["type"] == "end"
+    finally:
+        engine.stop()
+    assert error["type"] == "error"
+    assert error["code"] == "TIMEOUT"
+    assert 1.0 <= elapsed < 5.0
+    assert engine.runner.kv_bytes == 0

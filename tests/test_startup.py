@@ -65,7 +65,7 @@ def callback_server() -> Iterator[CallbackServer]:
 
 def test_ready_callback_after_the_server_answers(tmp_path: Path, callback_server: CallbackServer) -> None:
     worker = start_worker(tmp_path, "--callback-url", callback_server.url, "--worker-id", "w-7",
-                          "--ctx-size", "64")
+                          "--ctx-size", "64", "--max-prompt-tokens", "30")
     try:
         deadline = time.monotonic() + 30
         while not callback_server.received and time.monotonic() < deadline:
@@ -79,11 +79,16 @@ def test_ready_callback_after_the_server_answers(tmp_path: Path, callback_server
 
         # The same worker, started with --ctx-size 64, refuses a job that cannot fit.
         response = httpx.post(f"{worker.base_url}/execute",
-                              json={"job_id": "big", "prompt": "word " * 40, "max_tokens": 40})
+                              json={"job_id": "big", "prompt": "word " * 20, "max_tokens": 50})
         assert response.status_code == 400
         error = response.json()["errors"][0]
         assert error["field"] == "max_tokens"
         assert "context size of 64" in error["message"]
+        # ... and, started with --max-prompt-tokens 30, a prompt longer than that, naming the prompt.
+        response = httpx.post(f"{worker.base_url}/execute",
+                              json={"job_id": "long", "prompt": "word " * 35, "max_tokens": 1})
+        assert response.status_code == 400
+        assert response.json()["errors"][0]["field"] == "prompt"
     finally:
         stop_worker(worker)
 

@@ -54,6 +54,8 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
                         help="jinja2 chat template to use instead of the model's own")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for tensor ops")
     parser.add_argument("--max-running", type=int, default=4, help="jobs advanced concurrently")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="refuse prompts longer than this many tokens (default: the context size)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="end a job still running after this many seconds with error TIMEOUT")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -121,7 +123,8 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
     state.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "backend": backend.name,
                                 "device": str(backend.device), "dtype": str(dtype).removeprefix("torch.")})
     engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size, max_running=args.max_running,
-                    telemetry=state.telemetry, request_timeout=args.request_timeout)
+                    telemetry=state.telemetry, request_timeout=args.request_timeout,
+                    max_prompt_tokens=args.max_prompt_tokens)
     engine.start()
     state.attach(engine, loaded.name, loaded.model_id, chat_template)
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),

@@ -192,7 +192,8 @@ async def generate(ctx: OpenAIContext, body: Any, prompt: str, add_special: bool
     try:
         engine.check_fits(len(prompt_ids), max_tokens)
     except RequestRejected as exc:
-        raise OpenAIError(400, exc.message, param="max_tokens", code="context_length_exceeded") from exc
+        code = "context_length_exceeded" if exc.field == "max_tokens" else "prompt_too_long"
+        raise OpenAIError(400, exc.message, param=exc.field, code=code) from exc
     jobs = [GenerationRequest(f"{request_id}-{i}", prompt, max_tokens, body.sampling(i), body.stop_sequences,
                               logprobs, add_special) for i in range(body.n)]
     try:

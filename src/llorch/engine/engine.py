@@ -69,6 +69,7 @@ class Engine:
         max_running: int = 4,
         telemetry: Telemetry | None = None,
         request_timeout: float | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -83,6 +84,7 @@ class Engine:
         self._stopping = threading.Event()
         self.failed: BaseException | None = None
         self.request_timeout = request_timeout
+        self.max_prompt_tokens = max_prompt_tokens
         self.telemetry = telemetry or Telemetry()
         self.telemetry.queue_depth.set_function(lambda: len(self.scheduler.waiting))
         self.telemetry.running.set_function(lambda: len(self.scheduler.running))
@@ -109,6 +111,11 @@ class Engine:
         return ids
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            raise RequestRejected(
+                "prompt", f"<= {self.max_prompt_tokens} tokens",
+                f"the prompt is {prompt_tokens} tokens; this worker accepts at most {self.max_prompt_tokens}",
+            )
         if prompt_tokens + max_tokens > self.ctx_size:
             raise RequestRejected(
                 "max_tokens",

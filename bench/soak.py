@@ -1,0 +1,168 @@
+"""Loopback soak: N clients for M seconds against one worker, with random cancels and disconnects.
+
+    python bench/soak.py --clients 8 --seconds 600            # starts its own CPU worker
+    python bench/soak.py --url http://127.0.0.1:8080 --pid PID --clients 4 --seconds 60
+
+Each client loops: submit a job (random prompt length, max_tokens, sampling), then read
+it to the end, or cancel it through /cancel after a few tokens, or drop the connection.
+It reports jobs accepted, jobs whose stream carried exactly one terminal event, 5xx
+answers (must be 0), jobs still in flight afterwards (must be 0), and the worker's RSS
+at the start and the end. Traffic goes to loopback only and stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+    "seven", "wizards", "quietly", "judge", "boxing", "and", "every", "kettle", "hums",
+)
+
+
+@dataclass
+class SoakReport:
+    clients: int
+    seconds: float
+    accepted: int = 0
+    completed: int = 0  # read to the end
+    cancelled: int = 0  # cancelled through /cancel, then read to the end
+    disconnected: int = 0  # dropped by the client mid-stream
+    exactly_one_terminal: int = 0  # among streams read to the end
+    rejected_4xx: int = 0
+    server_errors_5xx: int = 0
+    in_flight_after: int = -1
+    rss_start_mb: float = 0.0
+    rss_end_mb: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        read_to_end = self.completed + self.cancelled
+        return (self.server_errors_5xx == 0 and self.exactly_one_terminal == read_to_end
+                and self.in_flight_after == 0 and not self.problems)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
+    rng = random.Random(index)
+    with httpx.Client(base_url=url, timeout=120) as http:
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            job_id = f"soak-{index}-{n}"
+            body = {"job_id": job_id, "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 200))),
+                    "max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 0.7, 1.0]),
+                    "seed": rng.randint(0, 2**32)}
+            action = rng.choices(["complete", "cancel", "disconnect"], weights=[6, 2, 2])[0]
+            terminals, seen_tokens = 0, 0
+            with http.stream("POST", "/execute", json=body) as response:
+                if response.status_code >= 500:
+                    with lock:
+                        report.server_errors_5xx += 1
+                    continue
+                if response.status_code != 200:
+                    with lock:
+                        report.rejected_4xx += 1
+                    continue
+                with lock:
+                    report.accepted += 1
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    if event["type"] == "token":
+                        seen_tokens += 1
+                        if action == "cancel" and seen_tokens == 2:
+                            http.post("/cancel", json={"job_id": job_id})
+                        if action == "disconnect" and seen_tokens == 2:
+                            break
+                    if event["type"] in ("end", "error"):
+                        terminals += 1
+            with lock:
+                if action == "disconnect" and seen_tokens >= 2:
+                    report.disconnected += 1
+                else:
+                    report.completed += action != "cancel"
+                    report.cancelled += action == "cancel"
+                    report.exactly_one_terminal += terminals == 1
+                    if terminals != 1:
+                        report.problems.append(f"{job_id}: {terminals} terminal events")
+
+
+def soak(url: str, pid: int, clients: int, seconds: float) -> SoakReport:
+    report = SoakReport(clients=clients, seconds=seconds, rss_start_mb=rss_mb(pid))
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+    threads = [threading.Thread(target=client_loop, args=(url, i, deadline, report, lock)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Every job must be gone: no KV cache left behind by a cancel or a disconnect.
+    settle = time.monotonic() + 10
+    while time.monotonic() < settle:
+        health = httpx.get(f"{url}/health").json()
+        metrics = httpx.get(f"{url}/metrics").text
+        gauges = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith(("llorch_running_jobs ", "llorch_queue_depth "))}
+        report.in_flight_after = int(sum(gauges.values()))
+        if report.in_flight_after == 0 and health["status"] == "healthy":
+            break
+        time.sleep(0.1)
+    report.rss_end_mb = rss_mb(pid)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url")
+    parser.add_argument("--pid", type=int)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=60)
+    args = parser.parse_args()
+    process = None
+    url, pid = args.url, args.pid
+    if url is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        exe = Path(sys.executable).parent / "llorch-cpu-worker"
+        process = subprocess.Popen([str(exe), "--port", str(port)], stderr=subprocess.DEVNULL)
+        url, pid = f"http://127.0.0.1:{port}", process.pid
+        while True:
+            try:
+                if httpx.get(f"{url}/health").json()["status"] == "healthy":
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    try:
+        report = soak(url, pid, args.clients, args.seconds)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait()
+    print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    sys.exit(0 if report.ok else 1)
+
+
+if __name__ == "__main__":
+    main()

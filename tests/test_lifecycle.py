@@ -1,0 +1,130 @@
+"""The worker's lifecycle as a process: loading, draining on SIGTERM, and a bounded soak."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import Worker, free_port, stop_worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from soak import soak
+
+pytestmark = pytest.mark.cpu
+
+LONG_RUNNING = {"prompt": "List the numbers from 1 to 500: 1, 2, 3,", "temperature": 0, "max_tokens": 2048}
+
+
+def spawn(tmp: Path, *extra: str) -> Worker:
+    """A worker process, returned at once (start_worker would wait for it to be healthy)."""
+    port = free_port()
+    log_path = tmp / f"worker-{port}.log"
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "llorch-cpu-worker"), "--port", str(port), "--log-format", "text", *extra],
+        stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True)
+    return Worker(process, f"http://127.0.0.1:{port}", log_path)
+
+
+def health(worker: Worker) -> dict[str, Any] | None:
+    try:
+        return httpx.get(f"{worker.base_url}/health", timeout=1).json()
+    except httpx.HTTPError:
+        return None
+
+
+def wait_healthy(worker: Worker) -> None:
+    deadline = time.monotonic() + 120
+    while (health(worker) or {}).get("status") != "healthy":
+        assert time.monotonic() < deadline and worker.process.poll() is None, worker.log()
+        time.sleep(0.1)
+
+
+def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None:
+    worker = spawn(tmp_path)
+    try:
+        seen: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and worker.process.poll() is None:
+            body = health(worker)
+            if body is not None:
+                seen.append(body)
+                if body["status"] == "healthy":
+                    break
+            time.sleep(0.02)
+        statuses = [b["status"] for b in seen]
+        assert statuses and statuses[-1] == "healthy", worker.log()
+        assert "loading" in statuses  # the server answers while the weights load
+        progress = [b["progress"] for b in seen if b["status"] == "loading"]
+        assert progress == sorted(progress)
+        assert all(0 <= p <= 1 for p in progress)
+    finally:
+        stop_worker(worker)
+
+
+class Reader(threading.Thread):
+    """Reads one job's stream to its end, in the background."""
+
+    def __init__(self, url: str, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.events: list[dict[str, Any]] = []
+        self.first_token = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", f"{self.url}/execute", json=self.body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    self.events.append(json.loads(line[6:]))
+                    if self.events[-1]["type"] == "token":
+                        self.first_token.set()
+
+
+def test_sigterm_drains_every_stream_to_a_terminal_event_and_exits_0(tmp_path: Path) -> None:
+    worker = spawn(tmp_path, "--drain-timeout", "6")
+    try:
+        wait_healthy(worker)
+        long_jobs = [Reader(worker.base_url, {"job_id": f"long-{i}", **LONG_RUNNING}) for i in range(2)]
+        for reader in long_jobs:
+            reader.start()
+        for reader in long_jobs:
+            assert reader.first_token.wait(60)
+        short_job = Reader(worker.base_url, {"job_id": "short", "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        short_job.start()
+        assert short_job.first_token.wait(60)
+        signalled = time.monotonic()
+        worker.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert health(worker)["status"] == "draining"
+        refused = httpx.post(f"{worker.base_url}/execute", json={"job_id": "late", "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503
+        assert worker.process.wait(30) == 0
+        assert time.monotonic() - signalled < 6 + 10
+        for reader in [*long_jobs, short_job]:
+            reader.join(10)
+            terminals = [e for e in reader.events if e["type"] in ("end", "error")]
+            assert len(terminals) == 1, reader.events[-3:]
+            assert reader.events[-1] is terminals[0]
+        assert short_job.events[-1]["type"] == "end"  # it finished within the drain time
+        for reader in long_jobs:
+            assert reader.events[-1] == {"type": "error", "code": "CANCELLED",
+                                         "message": "the worker is shutting down"}
+    finally:
+        stop_worker(worker)
+
+
+def test_short_soak_every_job_ends_once_and_nothing_leaks(worker: Worker) -> None:
+    report = soak(worker.base_url, worker.process.pid, clients=3, seconds=15)
+    assert report.accepted > 5
+    assert report.server_errors_5xx == 0
+    assert report.exactly_one_terminal == report.completed + report.cancelled
+    assert report.in_flight_after == 0
+    assert not report.problems
