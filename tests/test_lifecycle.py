@@ -49,7 +49,7 @@ def wait_healthy(worker: Worker) -> None:
 
 
 def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None:
-    worker = spawn(tmp_path)
+    worker = spawn(tmp_path, "--max-connections", "2")
     try:
         seen: list[dict[str, Any]] = []
         deadline = time.monotonic() + 120
@@ -66,6 +66,14 @@ def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None
         progress = [b["progress"] for b in seen if b["status"] == "loading"]
         assert progress == sorted(progress)
         assert all(0 <= p <= 1 for p in progress)
+
+        # The same worker allows 2 connections: with two streams open, a third is refused.
+        streams = [Reader(worker.base_url, {"job_id": f"hold-{i}", **LONG_RUNNING}) for i in range(2)]
+        for reader in streams:
+            reader.start()
+        for reader in streams:
+            assert reader.first_token.wait(60)
+        assert httpx.get(f"{worker.base_url}/health").status_code == 503
     finally:
         stop_worker(worker)
 
