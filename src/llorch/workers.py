@@ -165,8 +165,9 @@ class Lifecycle:
 
     async def run(self, app: FastAPI) -> int:
         args = self.args
+        # uvicorn counts the arriving connection itself against its limit: +1 admits exactly N.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                                timeout_graceful_shutdown=5, limit_concurrency=args.max_connections)
+                                timeout_graceful_shutdown=5, limit_concurrency=args.max_connections + 1)
         server = self.server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
         while not server.started:
