@@ -76,7 +76,8 @@ def start_to_ready(threads: int) -> float:
     try:
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                # /health answers while loading; ready means healthy.
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json().get("status") == "healthy":
                     return time.perf_counter() - start
             except httpx.HTTPError:
                 time.sleep(0.02)
