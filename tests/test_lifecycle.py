@@ -72,11 +72,16 @@ def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None
         # The same worker allows 2 connections: with two streams open, a third is refused.
         # (Closed polling connections are released by the server shortly after; let them go.)
         time.sleep(1.0)
-        streams = [Reader(worker.base_url, {"job_id": f"hold-{i}", **LONG_RUNNING}) for i in range(2)]
+        # Long enough to still run when the third connection comes, short enough to end on their own.
+        held = {**LONG_RUNNING, "max_tokens": 48}
+        streams = [Reader(worker.base_url, {"job_id": f"hold-{i}", **held}) for i in range(2)]
         for reader in streams:
             reader.start()
             assert reader.first_token.wait(60), "a stream within the connection limit was refused"
         assert httpx.get(f"{worker.base_url}/health").status_code == 503
+        for reader in streams:  # (a /cancel would be refused too: both connections are taken)
+            reader.join(60)
+            assert reader.events[-1].get("stop_reason") == "MAX_TOKENS", reader.events[-2:]
     finally:
         stop_worker(worker)
 
@@ -89,14 +94,18 @@ class Reader(threading.Thread):
         self.url, self.body = url, body
         self.events: list[dict[str, Any]] = []
         self.first_token = threading.Event()
+        self.transport_error: httpx.HTTPError | None = None
 
     def run(self) -> None:
-        with httpx.stream("POST", f"{self.url}/execute", json=self.body, timeout=120) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(json.loads(line[6:]))
-                    if self.events[-1]["type"] == "token":
-                        self.first_token.set()
+        try:
+            with httpx.stream("POST", f"{self.url}/execute", json=self.body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+                        if self.events[-1]["type"] == "token":
+                            self.first_token.set()
+        except httpx.HTTPError as exc:  # a stream cut without a terminal event: the tests check for that
+            self.transport_error = exc
 
 
 def test_sigterm_drains_every_stream_to_a_terminal_event_and_exits_0(tmp_path: Path) -> None:
