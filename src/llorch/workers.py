@@ -81,6 +81,11 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
 
+def report_failure(program: str, message: str) -> None:
+    """The one line an expected start-up failure prints (no traceback)."""
+    print(f"{program}: error: {message}", file=sys.stderr)
+
+
 def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     program = f"llorch-{backend_name}-worker"
     args = build_parser(program, backend_name).parse_args(argv)
@@ -93,7 +98,7 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         verify_device(backend.device)
     except StartupError as exc:
-        print(f"{program}: error: {exc}", file=sys.stderr)
+        report_failure(program, str(exc))
         return exc.exit_code
     state = WorkerState(backend=backend.name, device=str(backend.device))
     app = create_app(state, args.api_key)
@@ -160,9 +165,6 @@ class Lifecycle:
         self.server: uvicorn.Server | None = None
         self.drain_task: asyncio.Task[None] | None = None
 
-    def fail(self, message: str) -> None:
-        print(f"{self.program}: error: {message}", file=sys.stderr)
-
     async def run(self, app: FastAPI) -> int:
         args = self.args
         # uvicorn counts the arriving connection itself against its limit: +1 admits exactly N.
@@ -172,7 +174,7 @@ class Lifecycle:
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():
-                self.fail(f"could not serve on {args.host}:{args.port}")
+                report_failure(self.program, f"could not serve on {args.host}:{args.port}")
                 return 1
             await asyncio.sleep(0.02)
         self.install_signal_handlers()
@@ -185,7 +187,7 @@ class Lifecycle:
         try:
             await asyncio.to_thread(load_engine, args, self.backend, self.state)
         except StartupError as exc:
-            self.fail(str(exc))
+            report_failure(self.program, str(exc))
             await self.stop_server(task)
             return exc.exit_code
         if self.state.draining:  # told to stop while loading

@@ -8,7 +8,6 @@ validate, hand plain requests to the engine, and frame the events it sends back.
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +22,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.auth import install_bearer_auth
+from llorch.api.body import BadRequest, read_json
 from llorch.api.jobs import JobStream
 from llorch.api.openai import OpenAIContext, create_openai_router, openapi_components
 from llorch.api.schemas import CancelRequest, ExecuteRequest, field_errors
@@ -34,7 +34,6 @@ from llorch.weights.chat_template import ChatTemplate
 
 log = logging.getLogger("llorch.api")
 
-MAX_BODY_BYTES = 1 << 20  # a 32k-character prompt in JSON is far below this
 # The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
 WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
 CORRELATION_HEADER = "X-Correlation-ID"
@@ -75,34 +74,10 @@ class WorkerState:
         return None
 
 
-class BadRequest(Exception):
-    def __init__(self, status: int, errors: list[dict[str, Any]]) -> None:
-        self.status = status
-        self.errors = errors
-
-
 def error_response(status: int, field: str, constraint: str, message: str,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     errors = [{"field": field, "constraint": constraint, "message": message}]
     return JSONResponse({"errors": errors}, status, headers=headers)
-
-
-async def read_json(request: Request) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BadRequest(413, [{"field": "body", "constraint": f"<= {MAX_BODY_BYTES} bytes",
-                                "message": f"request body of {declared} bytes is too large"}])
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise BadRequest(413, [{"field": "body", "constraint": f"<= {MAX_BODY_BYTES} bytes",
-                                    "message": "request body is too large"}])
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
-                                "message": f"request body is not valid JSON: {exc}"}]) from exc
 
 
 def _json_body(model: type) -> dict[str, Any]:
@@ -127,7 +102,7 @@ _EXECUTE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="llorch worker", version="0.1.0")
-    app.include_router(create_openai_router(OpenAIContext(state), read_json))
+    app.include_router(create_openai_router(OpenAIContext(state)))
     if api_key:
         install_bearer_auth(app, api_key)
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from llorch.api.body import BadRequest, read_json
 from llorch.api.jobs import JobStream
 from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from llorch.engine.engine import DuplicateJob, Engine, RequestRejected
@@ -117,7 +118,7 @@ def openapi_components() -> dict[str, Any]:
     return components
 
 
-def create_openai_router(ctx: OpenAIContext, read_json: Any) -> APIRouter:
+def create_openai_router(ctx: OpenAIContext) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
     @router.get("/models", response_model=None, responses={503: {"description": "Loading",
@@ -163,9 +164,8 @@ def create_openai_router(ctx: OpenAIContext, read_json: Any) -> APIRouter:
     async def parse(request: Request, model: type[OpenAIRequest]) -> Any:
         try:
             raw = await read_json(request)
-        except Exception as exc:  # the worker API's BadRequest: not JSON, or too large
-            errors = getattr(exc, "errors", [{"message": str(exc)}])
-            raise OpenAIError(getattr(exc, "status", 400), errors[0]["message"]) from exc
+        except BadRequest as exc:  # not JSON, or too large: the same message in OpenAI's shape
+            raise OpenAIError(exc.status, exc.errors[0]["message"]) from exc
         try:
             body = model.model_validate(raw)
         except ValidationError as exc:

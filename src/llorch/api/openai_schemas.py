@@ -5,14 +5,23 @@ Exception: `user` is accepted and ignored, as OpenAI itself only records it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llorch.api.schemas import UINT64_MAX
+from llorch.api.schemas import (
+    UINT64_MAX,
+    MinP,
+    RepetitionPenalty,
+    Seed,
+    StopString,
+    Temperature,
+    TopK,
+    TopP,
+    sampling_params,
+)
 from llorch.engine.request import SamplingParams
 
-StopString = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 MAX_CHOICES = 8
 MAX_TOP_LOGPROBS = 20
 
@@ -30,21 +39,21 @@ class OpenAIRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = Field(default=None)
-    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    seed: Seed = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # llorch extras, sent by the openai client through `extra_body`
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
 
     @model_validator(mode="after")
     def _supported(self) -> OpenAIRequest:
@@ -69,16 +78,8 @@ class OpenAIRequest(BaseModel):
     def sampling(self, choice: int) -> SamplingParams:
         # Each of n choices gets its own generator: seed, seed+1, ... (reproducible as a set).
         seed = None if self.seed is None else (self.seed + choice) % (UINT64_MAX + 1)
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=seed,
-        )
+        return sampling_params(self, seed, presence_penalty=self.presence_penalty,
+                               frequency_penalty=self.frequency_penalty)
 
 
 class CompletionRequest(OpenAIRequest):

@@ -12,6 +12,20 @@ UINT64_MAX = (1 << 64) - 1
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=100)]
 
+# Sampling rules shared by the worker API and the OpenAI API: one declaration each.
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Seed = Annotated[int | None, Field(ge=0, le=UINT64_MAX)]
+TopP = Annotated[float, Field(ge=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(ge=0.0, le=2.0)]
+
+
+def sampling_params(body: Any, seed: int | None, **extra: float) -> SamplingParams:
+    """SamplingParams from a validated request carrying the shared sampling fields."""
+    return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+                          repetition_penalty=body.repetition_penalty, seed=seed, **extra)
+
 
 class ExecuteRequest(BaseModel):
     # Strict: "5" is not an int and true is not a number; unknown fields are errors.
@@ -20,23 +34,16 @@ class ExecuteRequest(BaseModel):
     job_id: str = Field(min_length=1)
     prompt: str = Field(min_length=1, max_length=32768)
     max_tokens: int = Field(ge=1, le=2048)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
-    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: Temperature = 1.0
+    seed: Seed = None
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     stop: list[StopString] = Field(default_factory=list, max_length=4)
 
     def to_generation_request(self) -> GenerationRequest:
-        sampling = SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-        )
+        sampling = sampling_params(self, self.seed)
         return GenerationRequest(self.job_id, self.prompt, self.max_tokens, sampling, tuple(self.stop))
 
 

@@ -58,9 +58,9 @@ def load_model(
     try:  # metadata of the wrong type or shape is a broken file, not a crash
         config = config_from_gguf(gguf)
         tokenizer = tokenizer_from_gguf(gguf.metadata, path)
+    except ModelFileError:
+        raise
     except Exception as exc:
-        if isinstance(exc, ModelFileError):
-            raise
         raise ModelFileError(path, f"invalid model metadata ({type(exc).__name__}: {exc})") from exc
     log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
