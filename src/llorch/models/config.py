@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("gemma3",)
+# The families one decoder serves. Mistral is Llama with a sliding window, so it is
+# "llama" here, as in GGUF files.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,18 @@ class ModelConfig:
     rope_local_theta: float | None = None
     # Linear RoPE scaling applied to the global (non-sliding) layers only, as Gemma 3 does.
     rope_global_scaling: float = 1.0
+    # Per-frequency divisors of the global layers' RoPE inverse frequencies (head_dim / 2 of
+    # them), as llama.cpp's rope_freqs tensor stores them: Llama 3.1's "llama3" scaling.
+    rope_freq_factors: tuple[float, ...] | None = None
     # Attention scores are multiplied by attention_scale (default 1/sqrt(head_dim)).
     attention_scale: float | None = None
     # Gemma: token embeddings are multiplied by sqrt(hidden_size) before the first layer.
     scale_embeddings: bool = False
     # Qwen3 / Gemma 3: RMSNorm over each query and key head before RoPE.
     qk_norm: bool = False
+    # Qwen2: biases on the q/k/v projections. Llama's attention_bias also puts one on o_proj.
+    qkv_bias: bool = False
+    o_bias: bool = False
     # Gemma 2/3: extra norms after attention and after the MLP, before each residual add.
     sandwich_norms: bool = False
     # MLP activation on the gate projection: "silu" (Llama) or "gelu_tanh" (Gemma).

@@ -35,9 +35,17 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: float) -> tuple[Tensor, Tensor]:
-    """cos/sin of the rotary embedding for the given absolute positions, shape [T, head_dim]."""
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, scaling: float, freq_factors: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """cos/sin of the rotary embedding for the given absolute positions, shape [T, head_dim].
+
+    `scaling` divides the positions (linear scaling); `freq_factors` divides each inverse
+    frequency (Llama 3.1's scaling, stored that way by llama.cpp).
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors
     freqs = (positions.float() / scaling)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()
@@ -57,17 +65,24 @@ class Attention(nn.Module):
         self.config = config
         self.sliding = sliding
         hd = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        factors = None
         if sliding and config.rope_local_theta is not None:
             self.rope_theta, self.rope_scaling = config.rope_local_theta, 1.0
         else:
             self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_global_scaling
+            if config.rope_freq_factors is not None:
+                # Built on the CPU even when the model is built on the meta device: it comes from
+                # the config, not the state dict, and moves to the worker's device with the weights.
+                factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+        self.freq_factors: Tensor | None
+        self.register_buffer("freq_factors", factors, persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor, cache: LayerKV) -> Tensor:
         cfg = self.config
@@ -77,7 +92,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, self.rope_theta, self.rope_scaling)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, self.rope_theta, self.rope_scaling, self.freq_factors)
         cos, sin = cos[None, :, None, :].to(q.dtype), sin[None, :, None, :].to(q.dtype)
         q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
         k = (k * cos + rotate_half(k) * sin).transpose(1, 2)

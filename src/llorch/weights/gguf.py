@@ -32,6 +32,12 @@ _PLAIN_DTYPES = {
     GGMLQuantizationType.F32: np.float32,
     GGMLQuantizationType.F16: np.float16,
 }
+Q = GGMLQuantizationType
+# The tensor types we load. Others (the IQ and ternary types, MXFP4, ...) are refused by
+# name rather than dequantized by a path no test covers.
+SUPPORTED_TENSOR_TYPES = frozenset({
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+})
 
 # GGUF metadata value types (the numbering is part of the file format).
 _SCALAR_FORMATS: dict[int, tuple[str, np.dtype]] = {
@@ -143,6 +149,8 @@ class GGUFFile:
             if not 1 <= n_dims <= MAX_DIMS:
                 raise self._fail(f"tensor {name} has rank {n_dims}")
             dims = [self._unpack("<Q", f"{name} dims") for _ in range(n_dims)]
+            if 0 in dims:
+                raise self._fail(f"tensor {name} has an empty dimension {dims}")
             raw_type = self._unpack("<I", f"{name} type")
             rel_offset = self._unpack("<Q", f"{name} offset")
             try:
@@ -180,9 +188,16 @@ class GGUFFile:
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as float32 in its torch shape."""
         info = self.tensors[name]
+        if info.qtype not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+            raise ModelFileError(
+                self.path, f"tensor {name} has type {info.qtype.name}, which is not supported (supported: {supported})"
+            )
         raw = self.raw(name)
         if info.qtype in _PLAIN_DTYPES:
             values = torch.from_numpy(raw.view(_PLAIN_DTYPES[info.qtype]).copy()).float()
+        elif info.qtype == GGMLQuantizationType.BF16:
+            values = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16).float()
         elif info.qtype == GGMLQuantizationType.Q8_0:
             values = _dequantize_q8_0(raw)
         else:

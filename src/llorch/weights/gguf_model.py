@@ -1,7 +1,13 @@
 """GGUF metadata -> ModelConfig, and GGUF tensors -> the decoder's state dict.
 
 llama.cpp's conversion conventions are undone here, so the decoder sees the same
-numbers a Hugging Face checkpoint would give it (modulo quantization).
+numbers a Hugging Face checkpoint would give it (modulo quantization):
+- for the `llama` architecture the rows of the q/k projections are permuted (llama.cpp
+  rotates interleaved pairs, Hugging Face rotates halves);
+- Phi-3's fused qkv and gate_up projections stay fused in the file;
+- Llama 3.1's RoPE scaling is stored as a `rope_freqs` tensor of per-frequency divisors;
+- Gemma's norm weights are stored as the effective multiplier (1 + w), which is what
+  our RMSNorm uses, so they are taken as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from llorch.weights.gguf import GGUFFile
 # global, the others slide; sliding layers use RoPE base 10000.
 GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_27B_LAYERS = 62
 
 # GGUF per-layer tensor names -> our module names.
 _LAYER_TENSORS = {
@@ -36,9 +43,12 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 
+# A tensor transform: the dequantized GGUF tensor -> {our name: tensor}.
+Split = Callable[[torch.Tensor], dict[str, torch.Tensor]]
+
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
-    meta = gguf.metadata
+    meta, tensors = gguf.metadata, gguf.tensors
     arch = meta.get("general.architecture")
     if arch is None:
         raise ModelFileError(gguf.path, "has no general.architecture")
@@ -53,73 +63,152 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
             raise ModelFileError(gguf.path, f"metadata {full} is missing")
         return meta[full]
 
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
     layers = int(need("block_count"))
-    embed = gguf.tensors.get("token_embd.weight")
+    embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ModelFileError(gguf.path, "tensor token_embd.weight is missing")
-    vocab = int(meta.get(f"{arch}.vocab_size", embed.shape[0]))
+    rope_dims = int(get("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelFileError(gguf.path, f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
+    if "rope_factors_long.weight" in tensors:
+        raise ModelFileError(gguf.path, "LongRoPE scaling (rope_factors_long) is not supported")
+    scaling_type = get("rope.scaling.type")
+    if scaling_type not in (None, "none", "linear"):
+        raise ModelFileError(gguf.path, f"RoPE scaling {scaling_type!r} is not supported")
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        factors = tuple(float(f) for f in gguf.dequantize("rope_freqs.weight").flatten())
+        if len(factors) != head_dim // 2:
+            raise ModelFileError(gguf.path, f"rope_freqs has {len(factors)} factors, expected {head_dim // 2}")
 
-    common: dict[str, Any] = dict(
+    window = get("attention.sliding_window")
+    window = int(window) if window else None
+    settings: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=vocab,
+        vocab_size=int(get("vocab_size", embed.shape[0])),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         context_length=int(need("context_length")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10_000.0)),
-        tie_word_embeddings="output.weight" not in gguf.tensors,
+        rope_theta=float(get("rope.freq_base", 10_000.0)),
+        rope_global_scaling=float(get("rope.scaling.factor", 1.0)) if scaling_type == "linear" else 1.0,
+        rope_freq_factors=factors,
+        # Mistral and Phi-3 slide on every layer when the file gives a window.
+        sliding_layers=(window is not None,) * layers,
+        sliding_window=window,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=_optional_int(meta.get("tokenizer.ggml.bos_token_id")),
     )
     if arch == "gemma3":
-        window = meta.get(f"{arch}.attention.sliding_window")
-        scaling = 1.0
-        if meta.get(f"{arch}.rope.scaling.type") == "linear":
-            scaling = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
-        return ModelConfig(
-            **common,
+        settings.update(
             sliding_layers=tuple((i + 1) % GEMMA3_SLIDING_PATTERN != 0 for i in range(layers)),
-            sliding_window=int(window) if window is not None else None,
             rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
-            rope_global_scaling=scaling,
-            # Gemma 3 scales queries by query_pre_attn_scalar**-0.5, which equals head_dim in
-            # every released size; GGUF does not store it.
-            attention_scale=head_dim**-0.5,
+            attention_scale=_gemma3_attention_scale(hidden, heads, head_dim, layers),
             scale_embeddings=True,
-            qk_norm=True,
             sandwich_norms=True,
             activation="gelu_tanh",
         )
-    raise AssertionError(f"unhandled architecture {arch}")  # guarded by SUPPORTED_ARCHITECTURES
+    return ModelConfig(**settings)
+
+
+def _gemma3_attention_scale(hidden: int, heads: int, head_dim: int, layers: int) -> float:
+    """Gemma 3 scales queries by query_pre_attn_scalar**-0.5, which GGUF does not store.
+
+    It is head_dim in every released size but the 27B (62 layers), where it is
+    hidden/heads; llama.cpp decides it the same way.
+    """
+    return (hidden / heads) ** -0.5 if layers == GEMMA3_27B_LAYERS else head_dim**-0.5
 
 
 def _optional_int(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
-def gguf_tensor_names(config: ModelConfig) -> Iterator[tuple[str, str]]:
-    """(GGUF name, our state-dict name) for every tensor the decoder needs."""
-    yield "token_embd.weight", "embed_tokens.weight"
-    yield "output_norm.weight", "norm.weight"
-    if not config.tie_word_embeddings:
-        yield "output.weight", "lm_head.weight"
-    for i in range(config.num_layers):
-        for suffix, ours in _LAYER_TENSORS.items():
-            if suffix in ("attn_q_norm", "attn_k_norm") and not config.qk_norm:
+def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: per head, interleaved (x0, y0, x1, y1, ...)
+    rows back to the halves (x0, x1, ..., y0, y1, ...) that rotate_half expects."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _split_rows(names: list[str], sizes: list[int]) -> Split:
+    def split(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"fused tensor has {tensor.shape[0]} rows, the config implies {sum(sizes)}")
+        return dict(zip(names, torch.split(tensor, sizes), strict=True))
+
+    return split
+
+
+def _as(name: str) -> Split:
+    return lambda tensor: {name: tensor}
+
+
+def gguf_tensor_plan(config: ModelConfig, present: set[str] | dict[str, Any]) -> Iterator[tuple[str, Split]]:
+    """(GGUF tensor name, how it becomes our state-dict entries) for every tensor the decoder needs."""
+    cfg = config
+    yield "token_embd.weight", _as("embed_tokens.weight")
+    yield "output_norm.weight", _as("norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "output.weight", _as("lm_head.weight")
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for i in range(cfg.num_layers):
+        blk, ours = f"blk.{i}", f"layers.{i}"
+        if f"{blk}.attn_qkv.weight" in present:  # Phi-3
+            names = [f"{ours}.self_attn.{p}_proj.weight" for p in "qkv"]
+            yield f"{blk}.attn_qkv.weight", _split_rows(names, [q_rows, kv_rows, kv_rows])
+            fused = {"attn_q", "attn_k", "attn_v"}
+        else:
+            fused = set()
+        if f"{blk}.ffn_gate.weight" not in present and cfg.architecture == "phi3":
+            names = [f"{ours}.mlp.gate_proj.weight", f"{ours}.mlp.up_proj.weight"]
+            yield f"{blk}.ffn_up.weight", _split_rows(names, [cfg.intermediate_size] * 2)
+            fused |= {"ffn_gate", "ffn_up"}
+        for suffix, module in _LAYER_TENSORS.items():
+            if suffix in fused:
                 continue
-            if suffix in ("post_attention_norm", "post_ffw_norm") and not config.sandwich_norms:
+            if suffix in ("attn_q_norm", "attn_k_norm") and not cfg.qk_norm:
                 continue
-            yield f"blk.{i}.{suffix}.weight", f"layers.{i}.{ours}.weight"
+            if suffix in ("post_attention_norm", "post_ffw_norm") and not cfg.sandwich_norms:
+                continue
+            target = f"{ours}.{module}.weight"
+            if cfg.architecture == "llama" and suffix in ("attn_q", "attn_k"):
+                heads = cfg.num_heads if suffix == "attn_q" else cfg.num_kv_heads
+                yield f"{blk}.{suffix}.weight", lambda t, h=heads, n=target: {n: unpermute_rows(t, h)}
+            else:
+                yield f"{blk}.{suffix}.weight", _as(target)
+        if cfg.qkv_bias:
+            for suffix in ("attn_q", "attn_k", "attn_v"):
+                module = _LAYER_TENSORS[suffix]
+                if cfg.architecture == "llama" and suffix in ("attn_q", "attn_k"):
+                    heads = cfg.num_heads if suffix == "attn_q" else cfg.num_kv_heads
+                    yield (f"{blk}.{suffix}.bias",
+                           lambda t, h=heads, n=f"{ours}.{module}.bias": {n: unpermute_rows(t, h)})
+                else:
+                    yield f"{blk}.{suffix}.bias", _as(f"{ours}.{module}.bias")
+        if cfg.o_bias:
+            yield f"{blk}.attn_output.bias", _as(f"{ours}.self_attn.o_proj.bias")
         # llama.cpp calls the norm before the MLP ffn_norm; it is our pre-MLP norm.
-        pre_mlp = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
-        yield f"blk.{i}.ffn_norm.weight", f"layers.{i}.{pre_mlp}.weight"
+        pre_mlp = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+        yield f"{blk}.ffn_norm.weight", _as(f"{ours}.{pre_mlp}.weight")
+
+
+def compute_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight in the compute dtype; norm weights stay float32 (RMSNorm computes in float32)."""
+    return tensor.float() if name.endswith("norm.weight") else tensor.to(dtype)
 
 
 def state_dict_from_gguf(
@@ -128,18 +217,18 @@ def state_dict_from_gguf(
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Dequantized tensors under our names, in `dtype` (norms stay float32).
-
-    Gemma's norm weights are stored by llama.cpp already as the effective multiplier
-    (1 + w), which is what our RMSNorm uses, so they are taken as they are.
-    """
+    """Dequantized tensors under our names, in `dtype` (norms stay float32)."""
     state: dict[str, torch.Tensor] = {}
-    names = list(gguf_tensor_names(config))
-    for done, (gguf_name, ours) in enumerate(names, start=1):
+    plan = list(gguf_tensor_plan(config, gguf.tensors))
+    for done, (gguf_name, split) in enumerate(plan, start=1):
         if gguf_name not in gguf.tensors:
             raise ModelFileError(gguf.path, f"tensor {gguf_name} is missing")
-        tensor = gguf.dequantize(gguf_name)
-        state[ours] = tensor if tensor.ndim == 1 else tensor.to(dtype)
+        try:
+            parts = split(gguf.dequantize(gguf_name))
+        except (ValueError, RuntimeError) as exc:  # a fused tensor of the wrong size
+            raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
+        for ours, tensor in parts.items():
+            state[ours] = compute_tensor(ours, tensor, dtype)
         if progress is not None:
-            progress(done, len(names))
+            progress(done, len(plan))
     return state
