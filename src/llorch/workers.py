@@ -39,7 +39,9 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=program, description=f"llorch worker on the {backend} backend")
-    parser.add_argument("--model", help="GGUF file (default: the embedded Gemma 3 270M Q4_K_M)")
+    parser.add_argument(
+        "--model", help="GGUF file or Hugging Face model directory (default: the embedded Gemma 3 270M Q4_K_M)"
+    )
     parser.add_argument("--worker-id", default=None, help="id sent in the ready callback")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to bind (0 picks a free one)")

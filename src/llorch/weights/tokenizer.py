@@ -11,20 +11,47 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from llorch.errors import ModelFileError
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
+
+# GGUF vocabulary kinds: SentencePiece-style BPE with scores, and byte-level BPE with merges.
+GGUF_TOKENIZER_KINDS = ("llama", "gpt2")
+
+# How byte-level vocabularies split text before BPE, by the name GGUF gives it in
+# tokenizer.ggml.pre. The patterns are those the models were trained with.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+BPE_PRE_TOKENIZERS: dict[str, str | None] = {
+    "default": None,  # GPT-2's own pattern, built into the ByteLevel pre-tokenizer
+    "gpt-2": None,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Vocabularies whose reference tokenizer applies Unicode NFC first.
+_NFC_PRE_TOKENIZERS = {"qwen2", "deepseek-r1-qwen"}
 
 # llama.cpp token types (GGUF tokenizer.ggml.token_type)
 TOKEN_CONTROL = 3
@@ -43,10 +70,21 @@ class Tokenizer:
 
     backend: HFTokenizer
     bos_token_id: int | None
-    add_bos: bool
     eos_token_ids: frozenset[int]
     special_ids: frozenset[int]
     byte_token_ids: frozenset[int] = frozenset()  # byte-fallback tokens (<0x00>..<0xFF>)
+
+    @classmethod
+    def around(cls, backend: HFTokenizer, bos_token_id: int | None, eos_token_ids: set[int]) -> Tokenizer:
+        """A Tokenizer for `backend`: special and byte-fallback ids are read off its vocabulary."""
+        added = backend.get_added_tokens_decoder()
+        return cls(
+            backend=backend,
+            bos_token_id=bos_token_id,
+            eos_token_ids=frozenset(eos_token_ids),
+            special_ids=frozenset(i for i, token in added.items() if token.special),
+            byte_token_ids=frozenset(i for t, i in backend.get_vocab().items() if BYTE_TOKEN.fullmatch(t)),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt ids: the text's tokens, after BOS when the model wants one.
@@ -54,10 +92,7 @@ class Tokenizer:
         Text that already spells its special tokens (a rendered chat template) passes
         add_special_tokens=False, so BOS is not doubled.
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens spelled out)."""
@@ -77,8 +112,10 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise ModelFileError(source, "has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-    if kind != "llama":
-        raise ModelFileError(source, f"tokenizer kind {kind!r} is not supported yet (supported: 'llama')")
+    if kind not in GGUF_TOKENIZER_KINDS:
+        raise ModelFileError(
+            source, f"tokenizer kind {kind!r} is not supported (supported: {', '.join(GGUF_TOKENIZER_KINDS)})"
+        )
     token_types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))]
     if len(token_types) != len(tokens):
         raise ModelFileError(source, "tokenizer token_type and tokens have different lengths")
@@ -86,15 +123,17 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
 
     key = _vocab_key(metadata, tokens, token_types, architecture)
     cached = cache_dir() / "tokenizers" / f"{key}.json"
+    backend = None
     if cached.is_file():
         try:
             backend = HFTokenizer.from_file(str(cached))
         except Exception:  # a damaged cache entry is rebuilt, never trusted
             backend = None
-    else:
-        backend = None
     if backend is None:
-        backend = _build_spm_bpe(tokens, token_types, metadata, architecture)
+        if kind == "gpt2":
+            backend = _build_byte_level_bpe(tokens, token_types, metadata, source)
+        else:
+            backend = _build_spm_bpe(tokens, token_types, metadata, architecture)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
         backend.save(str(tmp))
@@ -106,20 +145,61 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
     # Gemma ends a chat turn with <end_of_turn>; llama.cpp treats it as end of generation too.
     if architecture.startswith("gemma") and "<end_of_turn>" in tokens:
         eos_ids.add(tokens.index("<end_of_turn>"))
-    special = frozenset(i for i, t in enumerate(token_types) if t == TOKEN_CONTROL)
-    return Tokenizer(
-        backend=backend,
-        bos_token_id=int(bos) if bos is not None else None,
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
-        eos_token_ids=frozenset(eos_ids),
-        special_ids=special,
-        byte_token_ids=frozenset(i for i, t in enumerate(token_types) if t == TOKEN_BYTE),
-    )
+    return Tokenizer.around(backend, int(bos) if bos is not None else None, eos_ids)
+
+
+def tokenizer_from_hf_dir(directory: Path, bos_token_id: int | None, eos_token_ids: set[int]) -> Tokenizer:
+    """A Hugging Face directory's tokenizer.json; special-token names come from tokenizer_config.json."""
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        hint = " (only tokenizer.model: llorch needs the fast tokenizer.json)" if (
+            directory / "tokenizer.model").exists() else ""
+        raise ModelFileError(directory, f"has no tokenizer.json{hint}")
+    try:
+        backend = HFTokenizer.from_file(str(file))
+    except Exception as exc:
+        raise ModelFileError(file, f"is not a valid tokenizer ({exc})") from exc
+    settings = read_json_object(directory / "tokenizer_config.json", required=False)
+    vocab = backend.get_vocab()
+
+    def token_id(field: str) -> int | None:
+        value = settings.get(field)
+        if isinstance(value, dict):  # {"content": "<s>", ...}
+            value = value.get("content")
+        return vocab.get(value) if isinstance(value, str) else None
+
+    if bos_token_id is None:
+        bos_token_id = token_id("bos_token")
+    eos = token_id("eos_token")
+    if eos is not None:
+        eos_token_ids = {*eos_token_ids, eos}
+    return Tokenizer.around(backend, bos_token_id, eos_token_ids)
+
+
+def read_json_object(file: Path, required: bool = True) -> dict[str, Any]:
+    """A JSON object from a model directory; a broken one is a ModelFileError naming the file."""
+    if not file.is_file():
+        if required:
+            raise ModelFileError(file, "is missing")
+        return {}
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFileError(file, f"is not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ModelFileError(file, "does not hold a JSON object")
+    return value
 
 
 def _vocab_key(metadata: dict[str, Any], tokens: list[str], types: list[int], architecture: str) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps([CONVERTER_VERSION, architecture], ensure_ascii=False).encode())
+    # Everything the conversion reads goes into the key.
+    settings = [metadata.get(f"tokenizer.ggml.{k}") for k in (
+        "model", "pre", "bos_token_id", "unknown_token_id", "add_bos_token", "add_space_prefix")]
+    digest.update(json.dumps([CONVERTER_VERSION, architecture, settings], ensure_ascii=False, default=str).encode())
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is not None:
+        digest.update("\n".join(merges).encode("utf-8", "surrogatepass"))
     digest.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
     digest.update(bytes(t & 0xFF for t in types))
     scores = metadata.get("tokenizer.ggml.scores")
@@ -155,13 +235,66 @@ def _build_spm_bpe(
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
     backend = HFTokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
-    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    # Control tokens (<bos>, <start_of_turn>, ...) are matched whole in the text and are
-    # special; user-defined ones (HTML tags, newline runs) are matched whole but are text.
+    decoder_steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if architecture.startswith("gemma"):
+        backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    else:
+        # llama.cpp puts a space before the text unless the file says not to; the decoder
+        # takes it off again.
+        prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPACE_MARK, prepend_scheme="first" if prefix else "never", split=False
+        )
+        if prefix:
+            decoder_steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(decoder_steps)
+    _add_vocab_specials(backend, tokens, token_types, vocab)
+    _add_bos_processor(backend, tokens, metadata, default=True)
+    return backend
+
+
+def _build_byte_level_bpe(
+    tokens: list[str], token_types: list[int], metadata: dict[str, Any], source: Path
+) -> HFTokenizer:
+    """A byte-level BPE vocabulary (GPT-2 style: Llama 3, Qwen2) with its merges and pre-tokenizer."""
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ModelFileError(source, "byte-level BPE tokenizer has no tokenizer.ggml.merges")
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    if pre not in BPE_PRE_TOKENIZERS:
+        raise ModelFileError(
+            source, f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(BPE_PRE_TOKENIZERS))})"
+        )
+    vocab = {token: index for index, token in enumerate(tokens)}
+    pairs = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise ModelFileError(source, f"merge {merge!r} is not two tokens")
+        pairs.append((left, right))
+    # Llama 3's vocabulary takes a whole word that is itself a token before trying merges.
+    backend = HFTokenizer(BPE(vocab=vocab, merges=pairs, ignore_merges=pre in ("llama-bpe", "llama3")))
+    split = BPE_PRE_TOKENIZERS[pre]
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if pre in _NFC_PRE_TOKENIZERS:
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    _add_vocab_specials(backend, tokens, token_types, vocab)
+    _add_bos_processor(backend, tokens, metadata, default=False)
+    return backend
+
+
+def _add_vocab_specials(backend: HFTokenizer, tokens: list[str], token_types: list[int],
+                        vocab: dict[str, int]) -> None:
+    """Control tokens (<bos>, <|eot_id|>, ...) are matched whole in the text and are special;
+    user-defined ones (HTML tags, <think>) are matched whole but are text."""
     backend.add_special_tokens(
         [AddedToken(t, normalized=False, special=True)
          for t, kind in zip(tokens, token_types, strict=True) if kind == TOKEN_CONTROL]
@@ -170,13 +303,16 @@ def _build_spm_bpe(
         [AddedToken(t, normalized=False, special=False)
          for t, kind in zip(tokens, token_types, strict=True) if kind == TOKEN_USER_DEFINED and t in vocab]
     )
+
+
+def _add_bos_processor(backend: HFTokenizer, tokens: list[str], metadata: dict[str, Any], default: bool) -> None:
+    """BOS before the prompt when the file asks for it (SentencePiece vocabularies do by default)."""
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if bos_id is not None and metadata.get("tokenizer.ggml.add_bos_token", True):
+    if bos_id is not None and metadata.get("tokenizer.ggml.add_bos_token", default):
         bos = tokens[int(bos_id)]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
         )
-    return backend
 
 
 def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:

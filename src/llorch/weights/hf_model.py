@@ -1,0 +1,288 @@
+"""Hugging Face model directories: config.json -> ModelConfig, safetensors -> the decoder's state dict.
+
+Our module names are Hugging Face's, so most weights map by dropping the `model.`
+prefix. The differences are undone here:
+- Phi-3 fuses qkv_proj and gate_up_proj; they are split into our separate projections;
+- Gemma stores norm weights as offsets from one (the model computes x * (1 + w));
+  our RMSNorm takes the effective multiplier, so 1 is added;
+- Llama 3.1's "llama3" RoPE scaling becomes per-frequency divisors, llama.cpp's form.
+
+Only safetensors are read (memory-mapped); pickled checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from llorch.errors import ModelFileError
+from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from llorch.weights.gguf_model import compute_tensor
+from llorch.weights.tokenizer import read_json_object
+
+# config.json model_type -> our architecture family.
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3_text": "gemma3",
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+GEMMA3_DEFAULT_SLIDING_PATTERN = 6
+
+
+def config_from_hf(directory: Path, weight_names: set[str]) -> ModelConfig:
+    """The config of a directory whose safetensors hold `weight_names`."""
+    file = directory / "config.json"
+    raw = read_json_object(file)
+    model_type = raw.get("model_type")
+    if model_type == "gemma3" and "text_config" in raw:
+        raise ModelFileError(file, "multimodal Gemma 3 checkpoints are not supported; use a text-only one")
+    if model_type not in HF_MODEL_TYPES:
+        names = ", ".join(sorted(HF_MODEL_TYPES))
+        raise ModelFileError(file, f"unknown architecture model_type={model_type!r} (supported: {names})")
+    arch = HF_MODEL_TYPES[model_type]
+    assert arch in SUPPORTED_ARCHITECTURES
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise ModelFileError(file, f"has no {key!r}")
+        return raw[key]
+
+    def refuse(problem: str) -> ModelFileError:
+        return ModelFileError(file, f"{problem} is not supported")
+
+    hidden, heads, layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    if raw.get("mlp_bias"):
+        raise refuse("mlp_bias")
+    if raw.get("attn_logit_softcapping"):
+        raise refuse("attention logit soft-capping")
+    activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(
+        raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
+    if activation is None:
+        raise refuse(f"activation {raw.get('hidden_activation') or raw.get('hidden_act')!r}")
+
+    layer_types = _layer_types(raw, arch, layers)
+    sliding = tuple(t == "sliding_attention" for t in layer_types)
+    global_rope = _rope(raw, "full_attention" if arch == "gemma3" else None)
+    settings: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        context_length=int(need("max_position_embeddings")),
+        rope_theta=float(global_rope.get("rope_theta", 10_000.0)),
+        sliding_layers=sliding,
+        sliding_window=int(raw["sliding_window"]) if any(sliding) else None,
+        qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias")),
+        o_bias=arch == "llama" and bool(raw.get("attention_bias")),
+        qk_norm=arch in ("qwen3", "gemma3"),
+        activation=activation,
+        # When config.json does not say, a checkpoint without lm_head ties it to the embeddings.
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", "lm_head.weight" not in weight_names)),
+        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+        eos_token_ids=tuple(sorted(_ids(raw.get("eos_token_id")))),
+    )
+    if global_rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse("partial rotary embeddings")
+    rope_type = global_rope.get("rope_type", "default")
+    if rope_type == "linear":
+        settings["rope_global_scaling"] = float(global_rope["factor"])
+    elif rope_type == "llama3":
+        settings["rope_freq_factors"] = llama3_freq_factors(global_rope, head_dim)
+    elif rope_type != "default":
+        raise refuse(f"RoPE scaling {rope_type!r}")
+    if arch == "gemma3":
+        local = _rope(raw, "sliding_attention")
+        settings.update(
+            rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
+            attention_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            scale_embeddings=True,
+            sandwich_norms=True,
+            final_logit_softcap=raw.get("final_logit_softcapping") or None,
+        )
+    return ModelConfig(**settings)
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+def generation_eos_ids(directory: Path) -> set[int]:
+    """End-of-generation ids from generation_config.json (Llama 3 lists several there)."""
+    return _ids(read_json_object(directory / "generation_config.json", required=False).get("eos_token_id"))
+
+
+def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> list[str]:
+    declared = raw.get("layer_types")
+    if isinstance(declared, list) and len(declared) == layers:
+        return [str(t) for t in declared]
+    window = raw.get("sliding_window")
+    if arch == "gemma3":
+        pattern = int(raw.get("sliding_window_pattern") or GEMMA3_DEFAULT_SLIDING_PATTERN)
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if arch in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", layers))
+        slides = bool(raw.get("use_sliding_window")) and window is not None
+        return ["sliding_attention" if slides and i >= first else "full_attention" for i in range(layers)]
+    # Mistral and Phi-3 slide on every layer when config.json gives a window.
+    return ["sliding_attention" if window is not None else "full_attention"] * layers
+
+
+def _rope(raw: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
+    """RoPE settings in one shape, from either config.json spelling.
+
+    Newer files hold `rope_parameters` (per layer type for Gemma 3); older ones
+    `rope_theta` plus `rope_scaling` (and Gemma's `rope_local_base_freq`).
+    """
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = params[layer_type]
+        result = dict(params)
+    else:
+        result = {"rope_theta": raw.get("rope_theta", 10_000.0)}
+        if layer_type == "sliding_attention":
+            result["rope_theta"] = raw.get("rope_local_base_freq", 10_000.0)
+        else:
+            result.update(raw.get("rope_scaling") or {})
+        if "partial_rotary_factor" in raw:
+            result["partial_rotary_factor"] = raw["partial_rotary_factor"]
+    result["rope_type"] = result.get("rope_type") or result.get("type") or "default"
+    return result
+
+
+def llama3_freq_factors(rope: dict[str, Any], head_dim: int) -> tuple[float, ...]:
+    """Llama 3.1's frequency-dependent RoPE scaling as a divisor per inverse frequency.
+
+    Long wavelengths are divided by `factor`, short ones kept, and the band between
+    interpolated smoothly, as the model was trained.
+    """
+    theta, factor = float(rope["rope_theta"]), float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    original = float(rope["original_max_position_embeddings"])
+    divisors = []
+    for i in range(0, head_dim, 2):
+        inv_freq = 1.0 / theta ** (i / head_dim)
+        wavelength = 2 * math.pi / inv_freq
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(divisors)
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of a directory: one model.safetensors or the shards its index lists."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelFileError(index, "has no weight_map")
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        for shard in files:
+            if not shard.is_file():
+                raise ModelFileError(shard, f"is listed in {INDEX_FILE} but missing")
+        return files
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise ModelFileError(
+            directory, f"holds only pickle checkpoints ({', '.join(pickles)}), which are refused because loading "
+            "them can run code; convert them to safetensors")
+    raise ModelFileError(directory, f"has no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+class SafetensorsCheckpoint:
+    """The safetensors files of a directory, opened memory-mapped; tensors are read on demand."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._handles: list[tuple[Path, Any, list[str]]] = []
+        for file in safetensors_files(directory):
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError, json.JSONDecodeError) as exc:
+                raise ModelFileError(file, f"is not a valid safetensors file ({exc})") from exc
+            self._handles.append((file, handle, list(handle.keys())))
+
+    @property
+    def names(self) -> set[str]:
+        return {name for _, _, names in self._handles for name in names}
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file, handle, names in self._handles:
+            for name in names:
+                try:
+                    yield name, handle.get_tensor(name)
+                except (SafetensorError, OSError) as exc:
+                    raise ModelFileError(file, f"tensor {name} cannot be read ({exc})") from exc
+
+
+def hf_state_dict(
+    checkpoint: SafetensorsCheckpoint,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Our state dict from the checkpoint's tensors, in `dtype` (norms stay float32)."""
+    state: dict[str, torch.Tensor] = {}
+    cfg = config
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    total = len(checkpoint.names)
+    for done, (name, tensor) in enumerate(checkpoint.tensors(), start=1):
+        ours = name.removeprefix("model.")
+        if ours.endswith("self_attn.qkv_proj.weight"):
+            parts = _split(ours, tensor, ["q_proj", "k_proj", "v_proj"], [q_rows, kv_rows, kv_rows])
+        elif ours.endswith("mlp.gate_up_proj.weight"):
+            parts = _split(ours, tensor, ["gate_proj", "up_proj"], [cfg.intermediate_size] * 2)
+        else:
+            parts = {ours: tensor}
+        if parts is None:
+            raise ModelFileError(checkpoint.directory, f"tensor {name} has shape {tuple(tensor.shape)}, which "
+                                 "does not split into the projections config.json describes")
+        for key, value in parts.items():
+            if cfg.architecture == "gemma3" and key.endswith("norm.weight"):
+                value = value.float() + 1.0
+            state[key] = compute_tensor(key, value, dtype)
+        if progress is not None:
+            progress(done, total)
+    # Tied checkpoints may still store lm_head; untied ones must.
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        raise ModelFileError(checkpoint.directory, "lm_head.weight is missing and config.json says the "
+                             "embeddings are not tied")
+    return state
+
+
+def _split(name: str, tensor: torch.Tensor, parts: list[str], sizes: list[int]) -> dict[str, torch.Tensor] | None:
+    """A fused projection cut into its parts, or None when its rows do not add up."""
+    if tensor.shape[0] != sum(sizes):
+        return None
+    prefix = name.rsplit(".", 2)[0]  # layers.N.self_attn / layers.N.mlp
+    return {f"{prefix}.{part}.weight": piece for part, piece in zip(parts, torch.split(tensor, sizes), strict=True)}
