@@ -105,12 +105,21 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
 
+def worker_command(program: str) -> list[str]:
+    """The installed program, or (in a checkout used through PYTHONPATH) its entry point."""
+    script = Path(sys.executable).parent / program
+    if script.exists():
+        return [str(script)]
+    backend = program.removeprefix("llorch-").removesuffix("-worker")
+    return [sys.executable, "-c", f"import sys; from llorch.workers import run_worker; sys.exit(run_worker({backend!r}))"]
+
+
 def start_worker(tmp: Path, *extra: str, program: str = "llorch-cpu-worker") -> Worker:
     port = free_port()
     log_path = tmp / f"worker-{port}.log"
     handle = log_path.open("w")
     process = subprocess.Popen(
-        [str(Path(sys.executable).parent / program), "--port", str(port), "--log-format", "text", *extra],
+        [*worker_command(program), "--port", str(port), "--log-format", "text", *extra],
         stdout=handle, stderr=subprocess.STDOUT, text=True,
     )
     worker = Worker(process, f"http://127.0.0.1:{port}", log_path)
@@ -148,21 +157,39 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 
 def new_cache(loaded: LoadedModel, capacity: int) -> list[LayerKV]:
+    """An empty KV cache on the model's device, in its compute dtype."""
     cfg = loaded.config
     shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
-    return [LayerKV(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    device = loaded.model.embed_tokens.weight.device
+    return [LayerKV(torch.zeros(shape, dtype=loaded.dtype, device=device),
+                    torch.zeros(shape, dtype=loaded.dtype, device=device)) for _ in range(cfg.num_layers)]
+
+
+def model_device(loaded: LoadedModel) -> torch.device:
+    return loaded.model.embed_tokens.weight.device
+
+
+def all_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """Float32 logits on the CPU for every position of `ids`, straight from the decoder."""
+    device = model_device(loaded)
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device),
+                              new_cache(loaded, len(ids)), last_only=False)
+    return logits[0].float().cpu()
 
 
 def greedy_ids(loaded: LoadedModel, ids: list[int], count: int, stop_at_eos: bool = True) -> list[int]:
     """Up to `count` greedy tokens after `ids`, straight from the decoder (no engine)."""
     cache = new_cache(loaded, len(ids) + count)
+    device = model_device(loaded)
     out: list[int] = []
     with torch.inference_mode():
-        logits = loaded.model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+        logits = loaded.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), cache)
         while len(out) < count:
             token = int(logits[0, -1].argmax())
             if stop_at_eos and token in loaded.tokenizer.eos_token_ids:
                 break
             out.append(token)
-            logits = loaded.model(torch.tensor([[token]]), torch.tensor([len(ids) + len(out) - 1]), cache)
+            position = torch.tensor([len(ids) + len(out) - 1], device=device)
+            logits = loaded.model(torch.tensor([[token]], device=device), position, cache)
     return out

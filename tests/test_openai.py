@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from conftest import Reference, Worker, greedy_ids, start_worker, stop_worker
+from conftest import Reference, Worker, all_logits, greedy_ids, start_worker, stop_worker
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.loader import LoadedModel
 
@@ -121,11 +121,7 @@ def test_logprobs_are_log_softmax_of_our_logits(client: openai.OpenAI, model_id:
     prompt_ids = ours.tokenizer.encode(PROMPT)
     generated = greedy_ids(ours, prompt_ids, 5)
     ids = prompt_ids + generated
-    with torch.inference_mode():
-        from conftest import new_cache
-
-        logits = ours.model(torch.tensor([ids]), torch.arange(len(ids)), new_cache(ours, len(ids)), last_only=False)
-    expected = torch.log_softmax(logits[0, len(prompt_ids) - 1 : -1], dim=-1)
+    expected = torch.log_softmax(all_logits(ours, ids)[len(prompt_ids) - 1 : -1], dim=-1)
     for step, token in enumerate(generated):
         assert logprobs.token_logprobs[step] == pytest.approx(float(expected[step, token]), abs=1e-3)
         assert logprobs.tokens[step] == ours.tokenizer.token_text(token)

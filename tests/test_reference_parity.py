@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import Reference, greedy_ids, new_cache
+from conftest import Reference, all_logits, greedy_ids
 from llorch.weights.loader import LoadedModel
 
 pytestmark = [pytest.mark.cpu, pytest.mark.reference]
@@ -25,12 +25,6 @@ PROMPTS = [
 ]
 
 
-def our_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return loaded.model(torch.tensor([ids]), torch.arange(len(ids)), new_cache(loaded, len(ids)),
-                            last_only=False)[0]
-
-
 def reference_logits(reference: Reference, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return reference.model(torch.tensor([ids])).logits[0].float()
@@ -40,7 +34,7 @@ def reference_logits(reference: Reference, ids: list[int]) -> torch.Tensor:
 def test_logits_match_transformers(ours: LoadedModel, reference: Reference, prompt: str) -> None:
     ids = ours.tokenizer.encode(prompt)
     assert ids == reference.tokenizer(prompt).input_ids
-    mine, theirs = our_logits(ours, ids), reference_logits(reference, ids)
+    mine, theirs = all_logits(ours, ids), reference_logits(reference, ids)
     assert mine.shape == theirs.shape == (len(ids), ours.config.vocab_size)
     assert (mine - theirs).abs().max().item() < LOGIT_ATOL
     assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
@@ -51,7 +45,7 @@ def test_logits_match_beyond_the_sliding_window(ours: LoadedModel, reference: Re
     text = " ".join(f"item {i} is {i * 7 % 13}." for i in range(200))
     ids = ours.tokenizer.encode(text)
     assert len(ids) > ours.config.sliding_window + 100
-    mine, theirs = our_logits(ours, ids), reference_logits(reference, ids)
+    mine, theirs = all_logits(ours, ids), reference_logits(reference, ids)
     assert (mine - theirs).abs().max().item() < LOGIT_ATOL
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import Reference
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel
-from llorch.weights.tokenizer import cache_dir, tokenizer_from_gguf
+from llorch.weights.tokenizer import Tokenizer, cache_dir, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 pytestmark = pytest.mark.cpu
 
@@ -52,3 +52,23 @@ def test_converted_tokenizer_is_cached_on_disk(model_path: Path, ours: LoadedMod
     again = tokenizer_from_gguf(GGUFFile(model_path).metadata, model_path)
     text = MULTILINGUAL[2]
     assert again.encode(text) == ours.tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def spm_from_tokenizer_json(reference: Reference, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The reference's SentencePiece-style tokenizer saved as a Hugging Face directory, read by us."""
+    directory = tmp_path_factory.mktemp("spm-tokenizer")
+    reference.tokenizer.save_pretrained(directory)
+    return tokenizer_from_hf_dir(directory, None, set())
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_tokenizer_json_of_an_spm_vocab_matches_reference(
+    spm_from_tokenizer_json: Tokenizer, reference: Reference, text: str
+) -> None:
+    ids = spm_from_tokenizer_json.encode(text)
+    expected = reference.tokenizer(text).input_ids
+    assert ids == expected
+    assert spm_from_tokenizer_json.decode(ids) == reference.tokenizer.decode(expected, skip_special_tokens=True)
+    assert spm_from_tokenizer_json.decode(ids, skip_special=False) == reference.tokenizer.decode(expected)

@@ -1,0 +1,114 @@
+"""Broken model directories and files: each gives one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import all_logits
+from llorch.weights.loader import load_model
+from model_zoo import ARCHITECTURES, Q, build_hf_model, export_gguf, train_tokenizer
+from test_startup import assert_one_line_failure, run_worker
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hf_model(ARCHITECTURES["llama"], tmp_path_factory.mktemp("pristine") / "tiny-llama",
+                          train_tokenizer())
+
+
+@pytest.fixture
+def model_dir(pristine: Path, tmp_path: Path) -> Path:
+    """A fresh copy of a good tiny model directory, for one test to break."""
+    return Path(shutil.copytree(pristine, tmp_path / "model"))
+
+
+def shard(directory: Path) -> list[str]:
+    """Split model.safetensors into two shards plus the index, as large checkpoints ship."""
+    tensors = load_file(directory / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({name: tensors[name] for name in part}, directory / file)
+    (directory / "model.safetensors").unlink()
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return list(shards)
+
+
+def edit_config(directory: Path, **changes: object) -> None:
+    file = directory / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+def test_a_sharded_checkpoint_loads_like_a_single_file(pristine: Path, model_dir: Path) -> None:
+    shard(model_dir)
+    single = load_model(pristine, torch.device("cpu"), torch.float32)
+    sharded = load_model(model_dir, torch.device("cpu"), torch.float32)
+    ids = single.tokenizer.encode("The quick brown fox")
+    assert torch.equal(all_logits(sharded, ids), all_logits(single, ids))
+
+
+def test_a_worker_serves_a_model_directory(model_dir: Path) -> None:
+    """The CPU worker accepts a directory for --model, and a broken one is refused (see below)."""
+    from conftest import start_worker, stop_worker
+
+    worker = start_worker(model_dir.parent, "--model", str(model_dir))
+    try:
+        with worker.client() as client:
+            body = {"job_id": "dir-1", "prompt": "The quick", "max_tokens": 4, "temperature": 0}
+            response = client.post("/execute", json=body)
+            assert response.status_code == 200
+            assert '"type": "end"' in response.text or '"type":"end"' in response.text
+    finally:
+        stop_worker(worker)
+
+
+def test_truncated_safetensors(model_dir: Path) -> None:
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert_one_line_failure(run_worker("--model", str(model_dir)), str(weights), "not a valid safetensors file")
+
+
+def test_shard_listed_in_the_index_but_missing(model_dir: Path) -> None:
+    files = shard(model_dir)
+    (model_dir / files[1]).unlink()
+    assert_one_line_failure(run_worker("--model", str(model_dir)), files[1], "listed in", "but missing")
+
+
+def test_tensor_shapes_that_disagree_with_config(model_dir: Path) -> None:
+    edit_config(model_dir, intermediate_size=384)
+    assert_one_line_failure(run_worker("--model", str(model_dir)), "layers.0.mlp", "(512, 256)", "(384, 256)")
+
+
+def test_missing_tokenizer(model_dir: Path) -> None:
+    (model_dir / "tokenizer.json").unlink()
+    assert_one_line_failure(run_worker("--model", str(model_dir)), "has no tokenizer.json")
+
+
+def test_unsupported_architecture(model_dir: Path) -> None:
+    edit_config(model_dir, model_type="gpt_neox")
+    assert_one_line_failure(run_worker("--model", str(model_dir)), "unknown architecture", "gpt_neox")
+
+
+def test_unsupported_quantization_type_is_named(pristine: Path, tmp_path: Path) -> None:
+    path = export_gguf(pristine, tmp_path / "iq.gguf", Q.F32, raw_types={"blk.0.ffn_down.weight": Q.IQ4_NL})
+    assert_one_line_failure(run_worker("--model", str(path)), "blk.0.ffn_down.weight", "IQ4_NL", "not supported")
+
+
+def test_pickle_only_checkpoint_directory(model_dir: Path) -> None:
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    assert_one_line_failure(run_worker("--model", str(model_dir)), "pytorch_model.bin", "pickle")
+
+
+def test_missing_config(model_dir: Path) -> None:
+    (model_dir / "config.json").unlink()
+    assert_one_line_failure(run_worker("--model", str(model_dir)), "config.json", "is missing")
