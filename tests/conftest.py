@@ -111,7 +111,8 @@ def worker_command(program: str) -> list[str]:
     if script.exists():
         return [str(script)]
     backend = program.removeprefix("llorch-").removesuffix("-worker")
-    return [sys.executable, "-c", f"import sys; from llorch.workers import run_worker; sys.exit(run_worker({backend!r}))"]
+    entry = f"import sys; from llorch.workers import run_worker; sys.exit(run_worker({backend!r}))"
+    return [sys.executable, "-c", entry]
 
 
 def start_worker(tmp: Path, *extra: str, program: str = "llorch-cpu-worker") -> Worker:

@@ -24,7 +24,7 @@ from tokenizers.models import BPE
 from llorch.errors import ModelFileError
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
@@ -240,14 +240,13 @@ def _build_spm_bpe(
         backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
         backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     else:
-        # llama.cpp puts a space before the text unless the file says not to; the decoder
-        # takes it off again.
-        prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=SPACE_MARK, prepend_scheme="first" if prefix else "never", split=False
-        )
-        if prefix:
+        # SentencePiece puts a space before the text (its dummy prefix) unless the file says
+        # not to, even when the text already starts with one; the decoder takes it off again.
+        steps = [normalizers.Replace(" ", SPACE_MARK)]
+        if metadata.get("tokenizer.ggml.add_space_prefix", True):
+            steps.insert(0, normalizers.Prepend(SPACE_MARK))
             decoder_steps.append(decoders.Strip(content=" ", left=1))
+        backend.normalizer = normalizers.Sequence(steps)
     backend.decoder = decoders.Sequence(decoder_steps)
     _add_vocab_specials(backend, tokens, token_types, vocab)
     _add_bos_processor(backend, tokens, metadata, default=True)
