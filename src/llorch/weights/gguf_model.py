@@ -12,7 +12,7 @@ numbers a Hugging Face checkpoint would give it (modulo quantization):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -153,11 +153,14 @@ def _split_rows(names: list[str], sizes: list[int]) -> Split:
     return split
 
 
-def _as(name: str) -> Split:
-    return lambda tensor: {name: tensor}
+def _as(name: str, permuted_heads: int | None = None) -> Split:
+    """The tensor under our `name`, its rows un-permuted when llama.cpp permuted them."""
+    if permuted_heads is None:
+        return lambda tensor: {name: tensor}
+    return lambda tensor: {name: unpermute_rows(tensor, permuted_heads)}
 
 
-def gguf_tensor_plan(config: ModelConfig, present: set[str] | dict[str, Any]) -> Iterator[tuple[str, Split]]:
+def gguf_tensor_plan(config: ModelConfig, present: Collection[str]) -> Iterator[tuple[str, Split]]:
     """(GGUF tensor name, how it becomes our state-dict entries) for every tensor the decoder needs."""
     cfg = config
     yield "token_embd.weight", _as("embed_tokens.weight")
@@ -165,6 +168,13 @@ def gguf_tensor_plan(config: ModelConfig, present: set[str] | dict[str, Any]) ->
     if not cfg.tie_word_embeddings:
         yield "output.weight", _as("lm_head.weight")
     q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def permuted_heads(suffix: str) -> int | None:
+        """The head count llama.cpp permuted this tensor's rows by (llama q/k only)."""
+        if cfg.architecture != "llama" or suffix not in ("attn_q", "attn_k"):
+            return None
+        return cfg.num_heads if suffix == "attn_q" else cfg.num_kv_heads
+
     for i in range(cfg.num_layers):
         blk, ours = f"blk.{i}", f"layers.{i}"
         if f"{blk}.attn_qkv.weight" in present:  # Phi-3
@@ -184,21 +194,10 @@ def gguf_tensor_plan(config: ModelConfig, present: set[str] | dict[str, Any]) ->
                 continue
             if suffix in ("post_attention_norm", "post_ffw_norm") and not cfg.sandwich_norms:
                 continue
-            target = f"{ours}.{module}.weight"
-            if cfg.architecture == "llama" and suffix in ("attn_q", "attn_k"):
-                heads = cfg.num_heads if suffix == "attn_q" else cfg.num_kv_heads
-                yield f"{blk}.{suffix}.weight", lambda t, h=heads, n=target: {n: unpermute_rows(t, h)}
-            else:
-                yield f"{blk}.{suffix}.weight", _as(target)
+            yield f"{blk}.{suffix}.weight", _as(f"{ours}.{module}.weight", permuted_heads(suffix))
         if cfg.qkv_bias:
             for suffix in ("attn_q", "attn_k", "attn_v"):
-                module = _LAYER_TENSORS[suffix]
-                if cfg.architecture == "llama" and suffix in ("attn_q", "attn_k"):
-                    heads = cfg.num_heads if suffix == "attn_q" else cfg.num_kv_heads
-                    yield (f"{blk}.{suffix}.bias",
-                           lambda t, h=heads, n=f"{ours}.{module}.bias": {n: unpermute_rows(t, h)})
-                else:
-                    yield f"{blk}.{suffix}.bias", _as(f"{ours}.{module}.bias")
+                yield f"{blk}.{suffix}.bias", _as(f"{ours}.{_LAYER_TENSORS[suffix]}.bias", permuted_heads(suffix))
         if cfg.o_bias:
             yield f"{blk}.attn_output.bias", _as(f"{ours}.self_attn.o_proj.bias")
         # llama.cpp calls the norm before the MLP ffn_norm; it is our pre-MLP norm.
