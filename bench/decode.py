@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import torch
 
-from llorch.engine.runner import ModelRunner
+from llorch.engine.runner import BLOCK_SIZE, ModelRunner, Segment
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
 
@@ -35,18 +35,19 @@ def prompt_ids(loaded: LoadedModel, count: int) -> list[int]:
 
 
 def bench_llorch(loaded: LoadedModel) -> dict[str, float]:
-    runner = ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype)
+    tokens = PROMPT_TOKENS + DECODE_TOKENS + 1
+    runner = ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype,
+                         kv_cache_bytes=(tokens // BLOCK_SIZE + 3) * ModelRunner.bytes_per_block(
+                             loaded.config, loaded.dtype))
+    blocks = list(range(1, runner.num_blocks))
     ids = prompt_ids(loaded, PROMPT_TOKENS)
-    cache = runner.allocate_cache(PROMPT_TOKENS + DECODE_TOKENS + 1)
     start = time.perf_counter()
-    logits = runner.forward(torch.tensor(ids), 0, cache)
-    token = torch.argmax(logits)
+    token = int(torch.argmax(runner.forward([Segment(ids, 0, blocks, True)])[0]))
     ttft = time.perf_counter() - start
     start = time.perf_counter()
     for step in range(DECODE_TOKENS):
-        token = torch.argmax(runner.forward(token.view(1), PROMPT_TOKENS + step, cache))
+        token = int(torch.argmax(runner.forward([Segment([token], PROMPT_TOKENS + step, blocks, True)])[0]))
     decode = time.perf_counter() - start
-    runner.free_cache(cache)
     return {"prefill_tok_s": PROMPT_TOKENS / ttft, "decode_tok_s": DECODE_TOKENS / decode, "ttft_s": ttft}
 
 

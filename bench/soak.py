@@ -5,9 +5,12 @@
 
 Each client loops: submit a job (random prompt length, max_tokens, sampling), then read
 it to the end, or cancel it through /cancel after a few tokens, or drop the connection.
-It reports jobs accepted, jobs whose stream carried exactly one terminal event, 5xx
-answers (must be 0), jobs still in flight afterwards (must be 0), and the worker's RSS
-at the start and the end. Traffic goes to loopback only and stops by itself.
+It reports jobs accepted, jobs whose stream carried exactly one terminal event, jobs
+the worker itself counted as ended (must equal those accepted, disconnected ones
+included), 503 "busy" answers (expected when clients outnumber --max-running plus
+--max-queue), other 5xx answers (must be 0), jobs and KV cache still held afterwards
+(must be 0), and the worker's RSS at the start and the end. Traffic goes to loopback
+only and stops by itself.
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ class SoakReport:
     disconnected: int = 0  # dropped by the client mid-stream
     exactly_one_terminal: int = 0  # among streams read to the end
     rejected_4xx: int = 0
+    busy_503: int = 0  # queue full: answered at once with Retry-After
     server_errors_5xx: int = 0
+    ended_by_worker: int = 0  # terminal outcomes the worker counted during the soak
     in_flight_after: int = -1
+    kv_bytes_after: int = -1
     rss_start_mb: float = 0.0
     rss_end_mb: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -51,7 +57,8 @@ class SoakReport:
     def ok(self) -> bool:
         read_to_end = self.completed + self.cancelled
         return (self.server_errors_5xx == 0 and self.exactly_one_terminal == read_to_end
-                and self.in_flight_after == 0 and not self.problems)
+                and self.ended_by_worker == self.accepted and self.in_flight_after == 0
+                and self.kv_bytes_after == 0 and not self.problems)
 
 
 def rss_mb(pid: int) -> float:
@@ -59,6 +66,22 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The worker's Prometheus samples, by name with labels."""
+    samples = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def ended_jobs(samples: dict[str, float]) -> int:
+    """Jobs that reached a terminal event (an end reason or an error), not rejections."""
+    return int(sum(value for name, value in samples.items()
+                   if name.startswith("llorch_requests_total{") and 'outcome="rejected_' not in name))
 
 
 def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
@@ -74,6 +97,11 @@ def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock:
             action = rng.choices(["complete", "cancel", "disconnect"], weights=[6, 2, 2])[0]
             terminals, seen_tokens = 0, 0
             with http.stream("POST", "/execute", json=body) as response:
+                if response.status_code == 503 and response.headers.get("retry-after"):
+                    with lock:
+                        report.busy_503 += 1
+                    time.sleep(rng.uniform(0.05, 0.2))
+                    continue
                 if response.status_code >= 500:
                     with lock:
                         report.server_errors_5xx += 1
@@ -109,6 +137,7 @@ def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock:
 
 def soak(url: str, pid: int, clients: int, seconds: float) -> SoakReport:
     report = SoakReport(clients=clients, seconds=seconds, rss_start_mb=rss_mb(pid))
+    ended_before = ended_jobs(scrape(url))
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
     threads = [threading.Thread(target=client_loop, args=(url, i, deadline, report, lock)) for i in range(clients)]
@@ -120,11 +149,11 @@ def soak(url: str, pid: int, clients: int, seconds: float) -> SoakReport:
     settle = time.monotonic() + 10
     while time.monotonic() < settle:
         health = httpx.get(f"{url}/health").json()
-        metrics = httpx.get(f"{url}/metrics").text
-        gauges = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith(("llorch_running_jobs ", "llorch_queue_depth "))}
-        report.in_flight_after = int(sum(gauges.values()))
-        if report.in_flight_after == 0 and health["status"] == "healthy":
+        samples = scrape(url)
+        report.in_flight_after = int(samples["llorch_running_jobs"] + samples["llorch_queue_depth"])
+        report.kv_bytes_after = int(samples["llorch_kv_cache_bytes"])
+        report.ended_by_worker = ended_jobs(samples) - ended_before
+        if report.in_flight_after == 0 and health["status"] == "healthy" and report.ended_by_worker >= report.accepted:
             break
         time.sleep(0.1)
     report.rss_end_mb = rss_mb(pid)

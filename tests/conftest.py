@@ -28,7 +28,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 from llorch.device import resolve_backend
 from llorch.errors import BackendUnavailable
-from llorch.models.decoder import LayerKV
+from llorch.models.paged import LayerKV, allocate_kv, contiguous_step
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
 
@@ -158,12 +158,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 
 def new_cache(loaded: LoadedModel, capacity: int) -> list[LayerKV]:
-    """An empty KV cache on the model's device, in its compute dtype."""
-    cfg = loaded.config
-    shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
-    device = loaded.model.embed_tokens.weight.device
-    return [LayerKV(torch.zeros(shape, dtype=loaded.dtype, device=device),
-                    torch.zeros(shape, dtype=loaded.dtype, device=device)) for _ in range(cfg.num_layers)]
+    """An empty KV cache of `capacity` slots on the model's device, in its compute dtype."""
+    return allocate_kv(loaded.config, capacity, loaded.dtype, model_device(loaded), zeroed=True)
 
 
 def model_device(loaded: LoadedModel) -> torch.device:
@@ -173,24 +169,24 @@ def model_device(loaded: LoadedModel) -> torch.device:
 def all_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Float32 logits on the CPU for every position of `ids`, straight from the decoder."""
     device = model_device(loaded)
+    step = contiguous_step(loaded.config, 0, len(ids), device, last_only=False)
     with torch.inference_mode():
-        logits = loaded.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device),
-                              new_cache(loaded, len(ids)), last_only=False)
-    return logits[0].float().cpu()
+        logits = loaded.model(torch.tensor(ids, device=device), step, new_cache(loaded, len(ids)))
+    return logits.float().cpu()
 
 
 def greedy_ids(loaded: LoadedModel, ids: list[int], count: int, stop_at_eos: bool = True) -> list[int]:
     """Up to `count` greedy tokens after `ids`, straight from the decoder (no engine)."""
     cache = new_cache(loaded, len(ids) + count)
-    device = model_device(loaded)
+    device, config = model_device(loaded), loaded.config
     out: list[int] = []
     with torch.inference_mode():
-        logits = loaded.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device), cache)
+        logits = loaded.model(torch.tensor(ids, device=device), contiguous_step(config, 0, len(ids), device), cache)
         while len(out) < count:
-            token = int(logits[0, -1].argmax())
+            token = int(logits[-1].argmax())
             if stop_at_eos and token in loaded.tokenizer.eos_token_ids:
                 break
             out.append(token)
-            position = torch.tensor([len(ids) + len(out) - 1], device=device)
-            logits = loaded.model(torch.tensor([[token]], device=device), position, cache)
+            step = contiguous_step(config, len(ids) + len(out) - 1, 1, device)
+            logits = loaded.model(torch.tensor([token], device=device), step, cache)
     return out

@@ -86,7 +86,7 @@ def test_runner_refuses_a_model_with_a_stray_weight(ours: LoadedModel) -> None:
     stray.weight = nn.Parameter(torch.empty(original.shape, device="meta"), requires_grad=False)
     try:
         with pytest.raises(ResidencyError, match=r"layers\.3\.mlp\.up_proj\.weight on meta"):
-            ModelRunner(ours.model, torch.device("cpu"), torch.float32)
+            ModelRunner(ours.model, torch.device("cpu"), torch.float32, kv_cache_bytes=2**20)
     finally:
         stray.weight = original
 

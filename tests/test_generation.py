@@ -6,8 +6,6 @@ test is the real one, with no test hooks in it.
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,45 +15,13 @@ import torch
 from fastapi.testclient import TestClient
 
 from conftest import greedy_ids
+from jobs import PROMPT, make_engine, run
 from llorch.api.app import WorkerState, create_app
 from llorch.engine.engine import Engine
-from llorch.engine.request import Event, GenerationRequest, SamplingParams
-from llorch.engine.runner import ModelRunner
+from llorch.engine.request import SamplingParams
 from llorch.weights.loader import LoadedModel
 
 pytestmark = pytest.mark.cpu
-
-GREEDY = SamplingParams(temperature=0.0)
-PROMPT = "The capital of France is"
-
-
-class Job:
-    def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
-        self.done = threading.Event()
-
-    def emit(self, event: Event) -> None:
-        self.events.append(event.to_dict())
-        if event.terminal:
-            self.done.set()
-
-    def wait(self, timeout: float = 120) -> dict[str, Any]:
-        assert self.done.wait(timeout), "job never ended"
-        return self.events[-1]
-
-    @property
-    def text(self) -> str:
-        return "".join(e["t"] for e in self.events if e["type"] == "token")
-
-
-def make_engine(loaded: LoadedModel, max_running: int = 4, request_timeout: float | None = None,
-                **tokenizer_changes: Any) -> Engine:
-    runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32)
-    tokenizer = dataclasses.replace(loaded.tokenizer, **tokenizer_changes)
-    engine = Engine(runner, tokenizer, loaded.name, ctx_size=4096, max_running=max_running,
-                    request_timeout=request_timeout)
-    engine.start()
-    return engine
 
 
 @pytest.fixture
@@ -63,14 +29,6 @@ def engine(ours: LoadedModel) -> Iterator[Engine]:
     live = make_engine(ours)
     yield live
     live.stop()
-
-
-def run(engine: Engine, job_id: str, prompt: str = PROMPT, max_tokens: int = 12,
-        sampling: SamplingParams = GREEDY, stop: tuple[str, ...] = ()) -> Job:
-    job = Job()
-    request = GenerationRequest(job_id, prompt, max_tokens, sampling, stop)
-    engine.submit(request, engine.prepare(request), job.emit)
-    return job
 
 
 def test_stop_sequence_ends_before_its_text(engine: Engine, ours: LoadedModel) -> None:
@@ -100,14 +58,14 @@ def test_every_declared_end_of_generation_id_stops_with_eos(ours: LoadedModel) -
 
 
 def test_injected_step_failure_ends_only_that_job(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_decode = engine._decode
+    real_forward = engine._forward_batch
 
-    def failing_decode(seq: Any) -> None:
-        if seq.job_id == "doomed" and len(seq.output_ids) == 3:
+    def failing_forward(chunks: list[Any]) -> Any:
+        if any(c.seq.job_id == "doomed" and len(c.seq.output_ids) == 3 for c in chunks):
             raise RuntimeError("injected kernel failure")
-        real_decode(seq)
+        return real_forward(chunks)
 
-    monkeypatch.setattr(engine, "_decode", failing_decode)
+    monkeypatch.setattr(engine, "_forward_batch", failing_forward)
     doomed, bystander = run(engine, "doomed", max_tokens=50), run(engine, "bystander", max_tokens=10)
     error = doomed.wait()
     assert error == {"type": "error", "code": "INFERENCE_FAILED",
@@ -115,18 +73,18 @@ def test_injected_step_failure_ends_only_that_job(engine: Engine, monkeypatch: p
     assert bystander.wait()["stop_reason"] == "MAX_TOKENS"
     assert run(engine, "after").wait()["type"] == "end"
     assert engine.alive
-    assert engine.runner.kv_bytes == 0
+    assert engine.blocks.used_blocks == 0
 
 
 def test_out_of_memory_is_reported_as_vram_oom(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_prefill = engine._prefill
+    real_forward = engine._forward_batch
 
-    def oom_prefill(seq: Any) -> None:
-        if seq.job_id == "huge":
+    def oom_forward(chunks: list[Any]) -> Any:
+        if any(c.seq.job_id == "huge" for c in chunks):
             raise torch.OutOfMemoryError("injected: tried to allocate 80 GiB")
-        real_prefill(seq)
+        return real_forward(chunks)
 
-    monkeypatch.setattr(engine, "_prefill", oom_prefill)
+    monkeypatch.setattr(engine, "_forward_batch", oom_forward)
     assert run(engine, "huge").wait()["code"] == "VRAM_OOM"
     assert run(engine, "small").wait()["type"] == "end"
 
@@ -147,7 +105,7 @@ def test_a_queued_job_is_cancelled_at_once(ours: LoadedModel) -> None:
         assert hog.wait()["stop_reason"] == "CANCELLED"
     finally:
         engine.stop()
-    assert engine.runner.kv_bytes == 0
+    assert engine.blocks.used_blocks == 0
 
 
 def test_metrics_are_spaced_and_end_figures_are_true(engine: Engine) -> None:
@@ -169,14 +127,14 @@ def test_metrics_are_spaced_and_end_figures_are_true(engine: Engine) -> None:
 def test_http_failure_yields_error_event_and_next_request_succeeds(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_decode = engine._decode
+    real_forward = engine._forward_batch
 
-    def failing_decode(seq: Any) -> None:
-        if seq.job_id == "http-doomed":
+    def failing_forward(chunks: list[Any]) -> Any:
+        if any(c.seq.job_id == "http-doomed" for c in chunks):
             raise ValueError("injected")
-        real_decode(seq)
+        return real_forward(chunks)
 
-    monkeypatch.setattr(engine, "_decode", failing_decode)
+    monkeypatch.setattr(engine, "_forward_batch", failing_forward)
     state = WorkerState("cpu", "cpu", telemetry=engine.telemetry)
     state.attach(engine, "test", "test", None)
     client = TestClient(create_app(state))
@@ -203,4 +161,4 @@ def test_request_timeout_ends_overlong_jobs_with_timeout(ours: LoadedModel) -> N
     assert error["type"] == "error"
     assert error["code"] == "TIMEOUT"
     assert 1.0 <= elapsed < 5.0
-    assert engine.runner.kv_bytes == 0
+    assert engine.blocks.used_blocks == 0

@@ -45,8 +45,8 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_state(tiny_path: Path) -> Iterator[WorkerState]:
     loaded = load_model(tiny_path, torch.device("cpu"), torch.float32)
     state = WorkerState("cpu", "cpu")
-    engine = Engine(ModelRunner(loaded.model, torch.device("cpu"), torch.float32), loaded.tokenizer, loaded.name,
-                    ctx_size=8192, telemetry=state.telemetry)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32, kv_cache_bytes=16 * 2**20)
+    engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size=8192, telemetry=state.telemetry)
     engine.start()
     state.attach(engine, loaded.name, loaded.model_id, None)
     yield state

@@ -15,8 +15,6 @@ import httpx
 import pytest
 
 from conftest import Worker, free_port, stop_worker
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from soak import soak
 
 pytestmark = pytest.mark.cpu
@@ -146,5 +144,7 @@ def test_short_soak_every_job_ends_once_and_nothing_leaks(worker: Worker) -> Non
     assert report.accepted > 5
     assert report.server_errors_5xx == 0
     assert report.exactly_one_terminal == report.completed + report.cancelled
+    assert report.ended_by_worker == report.accepted  # disconnected jobs ended too
     assert report.in_flight_after == 0
+    assert report.kv_bytes_after == 0
     assert not report.problems

@@ -35,6 +35,22 @@ from llorch.weights.loader import LoadedModel, load_model
 log = logging.getLogger("llorch.worker")
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+DEFAULT_CPU_KV_MB = 512
+DEFAULT_CUDA_KV_FRACTION = 0.5
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
@@ -55,7 +71,19 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template-file", default=None,
                         help="jinja2 chat template to use instead of the model's own")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for tensor ops")
-    parser.add_argument("--max-running", type=int, default=4, help="jobs advanced concurrently")
+    parser.add_argument("--max-running", type=positive_int, default=16,
+                        help="most jobs batched into one forward step (default 16)")
+    parser.add_argument("--max-queue", type=non_negative_int, default=64,
+                        help="jobs that may wait for a slot; beyond them new jobs get 503 (default 64)")
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=512,
+                        help="prompt tokens read per step, shared by new jobs, so long prompts never "
+                             "stall running streams (default 512)")
+    parser.add_argument("--kv-cache-mb", type=positive_int, default=None,
+                        help="memory of the paged KV cache pool, allocated at start-up (default: "
+                             f"{DEFAULT_CPU_KV_MB} MB on the CPU, {DEFAULT_CUDA_KV_FRACTION:.0%} of the GPU "
+                             "memory free after loading)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="do not reuse KV blocks of prompt prefixes shared between jobs")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
                         help="refuse prompts longer than this many tokens (default: the context size)")
     parser.add_argument("--request-timeout", type=float, default=None,
@@ -125,17 +153,34 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
     ctx_size = args.ctx_size or loaded.config.context_length
     if not 0 < ctx_size <= loaded.config.context_length:
         raise StartupError(f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)")
-    runner = ModelRunner(loaded.model, backend.device, dtype)
+    kv_bytes = kv_cache_budget(args.kv_cache_mb, backend.device)
+    block_bytes = ModelRunner.bytes_per_block(loaded.config, dtype)
+    if kv_bytes < 2 * block_bytes:
+        raise StartupError(f"--kv-cache-mb {args.kv_cache_mb} is smaller than two KV blocks of this model "
+                           f"({2 * block_bytes / 2**20:.2f} MB)")
+    runner = ModelRunner(loaded.model, backend.device, dtype, kv_bytes)
     chat_template = load_chat_template(args.chat_template_file, loaded)
     state.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "backend": backend.name,
                                 "device": str(backend.device), "dtype": str(dtype).removeprefix("torch.")})
     engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size, max_running=args.max_running,
                     telemetry=state.telemetry, request_timeout=args.request_timeout,
-                    max_prompt_tokens=args.max_prompt_tokens)
+                    max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue,
+                    max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_cache)
     engine.start()
     state.attach(engine, loaded.name, loaded.model_id, chat_template)
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),
-                                    "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()})
+                                    "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                                    "kv_pool_tokens": runner.tokens_per_pool, "kv_pool_bytes": runner.kv_bytes})
+
+
+def kv_cache_budget(megabytes: int | None, device: torch.device) -> int:
+    """Bytes for the KV pool: the operator's figure, else a default for the device."""
+    if megabytes is not None:
+        return megabytes * 2**20
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_CUDA_KV_FRACTION)
+    return DEFAULT_CPU_KV_MB * 2**20
 
 
 def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate | None:

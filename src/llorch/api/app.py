@@ -27,7 +27,7 @@ from llorch.api.jobs import JobStream
 from llorch.api.openai import OpenAIContext, create_openai_router, openapi_components
 from llorch.api.schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.api.streaming import NDJSON, SSE, frame, negotiate
-from llorch.engine.engine import DuplicateJob, Engine, RequestRejected
+from llorch.engine.engine import DuplicateJob, Engine, QueueFull, RequestRejected
 from llorch.engine.telemetry import Telemetry
 from llorch.logs import correlation_id
 from llorch.weights.chat_template import ChatTemplate
@@ -37,6 +37,7 @@ log = logging.getLogger("llorch.api")
 # The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
 WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
 CORRELATION_HEADER = "X-Correlation-ID"
+RETRY_AFTER_S = "1"  # a busy or loading worker: try again (or another worker) shortly
 
 
 @dataclass
@@ -96,7 +97,7 @@ _EXECUTE_RESPONSES: dict[int | str, dict[str, Any]] = {
                                                           NDJSON: {"schema": {"type": "string"}}}},
     **{code: {"description": text, "content": _ERRORS_SCHEMA} for code, text in (
         (400, "Invalid request: every violation listed"), (409, "job_id already in flight"),
-        (413, "Body too large"), (503, "Loading or shutting down"))},
+        (413, "Body too large"), (503, "Loading, shutting down, or the queue is full (Retry-After)"))},
 }
 
 
@@ -147,7 +148,8 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
         why = state.unavailable()
         if why or state.engine is None:
             state.telemetry.requests.labels(outcome="rejected_unavailable").inc()
-            return error_response(503, "worker", "accepting jobs", why or "unavailable", {"Retry-After": "1"})
+            return error_response(503, "worker", "accepting jobs", why or "unavailable",
+                                  {"Retry-After": RETRY_AFTER_S})
         engine = state.engine
         try:
             parsed = ExecuteRequest.model_validate(await read_json(request))
@@ -168,6 +170,10 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
             state.telemetry.requests.labels(outcome="rejected_duplicate").inc()
             return error_response(409, "job_id", "unique among jobs in flight",
                                   f"job {job.job_id!r} is already queued or running")
+        except QueueFull as exc:
+            state.telemetry.requests.labels(outcome="rejected_busy").inc()
+            return error_response(503, "worker", "queue not full", f"the worker is busy: {exc}",
+                                  {"Retry-After": RETRY_AFTER_S})
         log.info("job submitted", extra={"job_id": job.job_id, "api": "worker"})
 
         async def stream() -> AsyncIterator[bytes]:

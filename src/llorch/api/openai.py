@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from llorch.api.body import BadRequest, read_json
 from llorch.api.jobs import JobStream
 from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from llorch.engine.engine import DuplicateJob, Engine, RequestRejected
+from llorch.engine.engine import DuplicateJob, Engine, QueueFull, RequestRejected
 from llorch.engine.request import End, Error, ErrorCode, Event, GenerationRequest, TokenLogprob, TokenText
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 
@@ -31,15 +31,16 @@ FINISH_REASONS = {"MAX_TOKENS": "length", "EOS": "stop", "STOP_SEQUENCE": "stop"
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status)
+        return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
 def openai_error_from_event(event: Error) -> OpenAIError:
@@ -187,8 +188,8 @@ async def generate(ctx: OpenAIContext, body: Any, prompt: str, add_special: bool
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     prompt_ids = await run_in_threadpool(engine.tokenizer.encode, prompt, add_special)
-    if max_tokens is None:  # chat: up to the context; completions: OpenAI's default of 16
-        max_tokens = max(1, engine.ctx_size - len(prompt_ids)) if chat else 16
+    if max_tokens is None:  # chat: up to the context (or KV pool); completions: OpenAI's default of 16
+        max_tokens = max(1, engine.max_sequence_tokens - len(prompt_ids)) if chat else 16
     try:
         engine.check_fits(len(prompt_ids), max_tokens)
     except RequestRejected as exc:
@@ -196,10 +197,17 @@ async def generate(ctx: OpenAIContext, body: Any, prompt: str, add_special: bool
         raise OpenAIError(400, exc.message, param=exc.field, code=code) from exc
     jobs = [GenerationRequest(f"{request_id}-{i}", prompt, max_tokens, body.sampling(i), body.stop_sequences,
                               logprobs, add_special) for i in range(body.n)]
+    streams: list[JobStream] = []
     try:
-        streams = [JobStream(engine, job, prompt_ids) for job in jobs]
+        for job in jobs:
+            streams.append(JobStream(engine, job, prompt_ids))
     except DuplicateJob as exc:  # request ids are random: this cannot happen twice
         raise OpenAIError(500, "job id collision", kind="server_error") from exc
+    except QueueFull as exc:
+        for submitted in streams:  # all n choices or none
+            engine.cancel(submitted.request.job_id)
+        raise OpenAIError(503, f"The worker is busy: {exc}. Retry shortly.", kind="server_error",
+                          code="server_busy", headers={"Retry-After": "1"}) from exc
     created = int(time.time())
     shape = ChatShape(request_id, created, ctx.model_id) if chat else CompletionShape(request_id, created, ctx.model_id)
     if body.stream:

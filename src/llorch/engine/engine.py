@@ -1,7 +1,10 @@
 """The engine: one thread that owns the model and runs the request lifecycle.
 
-    submit -> inbox -> scheduler (waiting -> running) -> prefill -> decode steps
-           -> sampler -> detokenizer -> stop matcher -> events -> finish (cache freed)
+    submit -> inbox -> scheduler (queue -> admitted with KV blocks) -> batched steps
+           -> sampler -> detokenizer -> stop matcher -> events -> finish (blocks freed)
+
+Each step is one forward pass over every running job: the decoding ones add their
+last token, those still reading their prompt add a chunk of it (continuous batching).
 
 The HTTP side only calls `prepare`, `submit` and `cancel` and receives plain events
 through the callback it passed; it never touches a tensor. Every state change of a
@@ -22,6 +25,7 @@ from datetime import datetime, timezone
 import torch
 
 from llorch.engine.detokenizer import IncrementalDetokenizer
+from llorch.engine.kv_blocks import BlockPool
 from llorch.engine.request import (
     End,
     Error,
@@ -34,9 +38,9 @@ from llorch.engine.request import (
     TokenLogprob,
     TokenText,
 )
-from llorch.engine.runner import ModelRunner
+from llorch.engine.runner import ModelRunner, Segment
 from llorch.engine.sampler import make_generator, sample
-from llorch.engine.scheduler import Scheduler
+from llorch.engine.scheduler import Chunk, Scheduler
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
 from llorch.weights.tokenizer import Tokenizer
@@ -46,7 +50,7 @@ log = logging.getLogger("llorch.engine")
 METRICS_INTERVAL_S = 1.0
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: raising sets __traceback__ on the instance
 class RequestRejected(Exception):
     """A request that is well-formed but cannot be served as asked (a 400 naming the field)."""
 
@@ -59,6 +63,10 @@ class DuplicateJob(Exception):
     pass
 
 
+class QueueFull(Exception):
+    """The worker already holds as many queued jobs as it accepts (the HTTP side answers 503)."""
+
+
 class Engine:
     def __init__(
         self,
@@ -66,17 +74,25 @@ class Engine:
         tokenizer: Tokenizer,
         model_name: str,
         ctx_size: int,
-        max_running: int = 4,
+        max_running: int = 16,
         telemetry: Telemetry | None = None,
         request_timeout: float | None = None,
         max_prompt_tokens: int | None = None,
+        max_queue: int = 64,
+        max_batch_tokens: int = 512,
+        prefix_caching: bool = True,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.ctx_size = ctx_size
         self.device = runner.device
-        self.scheduler = Scheduler(max_running)
+        self.blocks = BlockPool(runner.num_blocks, runner.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_running, max_batch_tokens)
+        self.max_queue = max_queue
+        self._queued = 0  # accepted jobs never admitted yet (guarded by _jobs_lock)
+        self.largest_batch = 0  # most jobs that shared one forward step so far
+        self._arrivals = 0
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._jobs: dict[str, Sequence] = {}
         self._jobs_lock = threading.Lock()
@@ -88,7 +104,10 @@ class Engine:
         self.telemetry = telemetry or Telemetry()
         self.telemetry.queue_depth.set_function(lambda: len(self.scheduler.waiting))
         self.telemetry.running.set_function(lambda: len(self.scheduler.running))
-        self.telemetry.kv_cache_bytes.set_function(lambda: self.runner.kv_bytes)
+        block_bytes = runner.kv_bytes // runner.num_blocks
+        self.telemetry.kv_cache_bytes.set_function(lambda: self.blocks.used_blocks * block_bytes)
+        self.telemetry.kv_cache_capacity_bytes.set_function(lambda: runner.kv_bytes)
+        self.telemetry.kv_cached_blocks.set_function(lambda: self.blocks.cached_blocks)
         self.telemetry.weights_bytes.set_function(lambda: self.runner.weight_bytes)
 
     # -- called from the HTTP side --------------------------------------------------------
@@ -110,6 +129,11 @@ class Engine:
         self.check_fits(len(ids), request.max_tokens)
         return ids
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most prompt + generated tokens one job may ask for: the context, or the whole KV pool."""
+        return min(self.ctx_size, self.runner.tokens_per_pool)
+
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
             raise RequestRejected(
@@ -123,16 +147,30 @@ class Engine:
                 f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it exceeds "
                 f"the context size of {self.ctx_size} tokens",
             )
+        if prompt_tokens + max_tokens > self.runner.tokens_per_pool:
+            raise RequestRejected(
+                "max_tokens",
+                f"prompt_tokens + max_tokens <= {self.runner.tokens_per_pool}",
+                f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it needs more KV cache "
+                f"than this worker's whole pool holds ({self.runner.tokens_per_pool} tokens, see --kv-cache-mb)",
+            )
 
     def submit(self, request: GenerationRequest, prompt_ids: list[int], emit: Callable[[Event], None]) -> None:
-        """Accept a job. Its events, starting with `started`, go to `emit` from the engine thread."""
+        """Accept a job. Its events, starting with `started`, go to `emit` from the engine thread.
+
+        Raises DuplicateJob for a job_id in flight, QueueFull when `max_queue` jobs already wait.
+        """
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
-        seq = Sequence(request, prompt_ids, emit, IncrementalDetokenizer(
-            self.tokenizer.decode, self.tokenizer.byte_token_ids, self.tokenizer.special_ids
-        ), seed)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer.decode, self.tokenizer.byte_token_ids, self.tokenizer.special_ids)
         with self._jobs_lock:
             if request.job_id in self._jobs:
                 raise DuplicateJob(request.job_id)
+            if self._queued >= self.max_queue:
+                raise QueueFull(f"{self._queued} jobs are already waiting (--max-queue {self.max_queue})")
+            self._queued += 1
+            self._arrivals += 1
+            seq = Sequence(request, prompt_ids, emit, detokenizer, seed, self._arrivals)
             self._jobs[request.job_id] = seq
         self._inbox.put(("submit", seq))
 
@@ -184,10 +222,10 @@ class Engine:
                 seq = self.scheduler.find(str(payload))
                 if seq is None:
                     continue
-                if seq.state is SequenceState.WAITING and seq in self.scheduler.waiting:
-                    self._finish(seq, StopReason.CANCELLED)  # never ran: nothing to wait for
+                if seq.state is SequenceState.WAITING:
+                    self._finish(seq, StopReason.CANCELLED)  # holds no blocks: nothing to wait for
                 else:
-                    seq.cancel_requested = True
+                    seq.cancel_requested = True  # ended before the next step, freeing its blocks
             elif kind == "abort":
                 for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                     self._fail(seq, ErrorCode.CANCELLED, str(payload))
@@ -195,21 +233,65 @@ class Engine:
     def _step(self) -> None:
         if self.request_timeout is not None:
             self._expire(time.perf_counter() - self.request_timeout)
-        plan = self.scheduler.plan()
-        for seq in [*plan.prefill, *plan.decode]:
-            if seq.cancel_requested:
-                self._finish(seq, StopReason.CANCELLED)
-                continue
+        for seq in [s for s in self.scheduler.running if s.cancel_requested]:
+            self._finish(seq, StopReason.CANCELLED)
+        plan = self.scheduler.schedule()
+        for seq in plan.admitted:
+            self._admitted(seq)
+        for seq in plan.preempted:
+            self.telemetry.preemptions.inc()
+            log.info("job preempted: KV pool full", extra={"job_id": seq.job_id, "tokens": seq.length})
+        self.telemetry.prefix_cache_hit_tokens.inc(plan.prefix_hit_tokens)
+        if not plan.chunks:
+            return
+        self.largest_batch = max(self.largest_batch, len(plan.chunks))
+        self.telemetry.batch_size.observe(len(plan.chunks))
+        started = time.perf_counter()
+        for chunk, logits in self._forward(plan.chunks):
+            chunk.seq.num_computed += chunk.tokens
+            self.scheduler.register_full_blocks(chunk.seq)
+            if logits is not None:
+                try:
+                    self._accept_token(chunk.seq, logits)
+                except Exception as exc:  # one job's failure must not take down the others
+                    log.exception("sampling failed", extra={"job_id": chunk.seq.job_id})
+                    self._fail(chunk.seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
+        if all(chunk.tokens == 1 for chunk in plan.chunks):
+            self.telemetry.time_per_output_token.observe(time.perf_counter() - started)
+
+    def _forward(self, chunks: list[Chunk]) -> list[tuple[Chunk, torch.Tensor | None]]:
+        """Run the step; each chunk with the logits its next token is sampled from (None: mid-prompt).
+
+        When the batched forward fails, each job is retried alone so only the failing one
+        ends with an error (rewriting the same KV slots with the same values is harmless).
+        """
+        try:
+            return self._forward_batch(chunks)
+        except Exception as exc:
+            if len(chunks) == 1:
+                self._fail_forward(chunks[0], exc)
+                return []
+        results = []
+        for chunk in chunks:
             try:
-                if seq.state is SequenceState.WAITING:
-                    self._prefill(seq)
-                else:
-                    self._decode(seq)
-            except torch.OutOfMemoryError as exc:
-                self._fail(seq, ErrorCode.VRAM_OOM, f"out of memory: {exc}")
-            except Exception as exc:  # one job's failure must not take down the others
-                log.exception("step failed", extra={"job_id": seq.job_id})
-                self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
+                results.extend(self._forward_batch([chunk]))
+            except Exception as exc:
+                self._fail_forward(chunk, exc)
+        return results
+
+    def _forward_batch(self, chunks: list[Chunk]) -> list[tuple[Chunk, torch.Tensor | None]]:
+        segments = [Segment(c.seq.token_ids[c.seq.num_computed : c.seq.num_computed + c.tokens],
+                            c.seq.num_computed, c.seq.block_table, c.completes) for c in chunks]
+        logits = self.runner.forward(segments)
+        rows = iter(logits)
+        return [(c, next(rows) if c.completes else None) for c in chunks]
+
+    def _fail_forward(self, chunk: Chunk, exc: Exception) -> None:
+        if isinstance(exc, torch.OutOfMemoryError):
+            self._fail(chunk.seq, ErrorCode.VRAM_OOM, f"out of memory: {exc}")
+            return
+        log.error("step failed", exc_info=exc, extra={"job_id": chunk.seq.job_id})
+        self._fail(chunk.seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
 
     def _expire(self, accepted_before: float) -> None:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
@@ -217,26 +299,20 @@ class Engine:
                 self._fail(seq, ErrorCode.TIMEOUT, f"the job ran past the request timeout of "
                                                     f"{self.request_timeout:g} s")
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _admitted(self, seq: Sequence) -> None:
+        """First admission: the job's sampler state (kept across preemptions)."""
+        if seq.admitted:
+            return
+        seq.admitted = True
+        with self._jobs_lock:
+            self._queued -= 1
         seq.decode_started = seq.last_metrics = time.perf_counter()
-        seq.cache = self.runner.allocate_cache(seq.capacity)
         seq.generator = make_generator(seq.seed, self.device)
         seq.seen = torch.empty(seq.capacity, dtype=torch.long, device=self.device)
-        prompt = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
-        seq.seen[: prompt.numel()] = prompt
+        seq.seen[: len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
         sampling = seq.request.sampling
         if sampling.presence_penalty or sampling.frequency_penalty:
             seq.generated_counts = torch.zeros(self.runner.config.vocab_size, device=self.device)
-        seq.state = SequenceState.RUNNING
-        logits = self.runner.forward(prompt, 0, seq.cache)
-        self._accept_token(seq, logits)
-
-    def _decode(self, seq: Sequence) -> None:
-        assert seq.cache is not None and seq.last_token is not None
-        started = time.perf_counter()
-        logits = self.runner.forward(seq.last_token.view(1), seq.length - 1, seq.cache)
-        self._accept_token(seq, logits)
-        self.telemetry.time_per_output_token.observe(time.perf_counter() - started)
 
     def _accept_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         assert seq.seen is not None
@@ -253,8 +329,7 @@ class Engine:
         seq.seen[seq.length] = token
         if seq.generated_counts is not None:
             seq.generated_counts[token] += 1
-        seq.output_ids.append(token_id)
-        seq.last_token = token
+        seq.append(token_id)
         self._emit_text(seq, seq.stop_matcher.feed(seq.detokenizer.add(token_id)))
         if seq.stop_matcher.matched is not None:
             self._finish(seq, StopReason.STOP_SEQUENCE)
@@ -286,7 +361,7 @@ class Engine:
         self._emit(seq, Metrics(round(len(seq.output_ids) / elapsed, 2), self.runner.resident_bytes))
 
     def _finish(self, seq: Sequence, reason: StopReason) -> None:
-        if seq.state is SequenceState.RUNNING and reason is not StopReason.CANCELLED:
+        if seq.admitted and reason is not StopReason.CANCELLED:
             # Text held back for an unfinished character or a possible stop sequence.
             self._emit_text(seq, seq.stop_matcher.feed(seq.detokenizer.flush()))
             if seq.stop_matcher.matched is not None:
@@ -308,14 +383,14 @@ class Engine:
         log.error("job failed", extra={"job_id": seq.job_id, "code": code.value, "error": message})
 
     def _release(self, seq: Sequence) -> None:
-        if seq.cache is not None:
-            self.runner.free_cache(seq.cache)
-            seq.cache = None
-        seq.seen = seq.last_token = seq.generator = seq.generated_counts = None
+        """Free the job's blocks and forget it (its terminal event follows)."""
+        seq.seen = seq.generator = seq.generated_counts = None
         seq.state = SequenceState.FINISHED
         self.scheduler.remove(seq)
         with self._jobs_lock:
             self._jobs.pop(seq.job_id, None)
+            if not seq.admitted:
+                self._queued -= 1
 
     def _emit(self, seq: Sequence, event: Event) -> None:
         try:

@@ -1,72 +1,91 @@
-"""The model runner: KV cache allocation and forward passes on the worker's device.
+"""The model runner: the KV pool's memory and batched forward passes on the worker's device.
 
-Every tensor it creates lives on the worker's device, and the residency guard
-checks the caches it hands out; the only values that leave the device are the
-sampled token ids (in the engine).
+The pool is allocated once, at start-up, with the budget the operator gave; the
+engine's BlockPool decides which blocks each sequence uses. Every tensor the runner
+creates lives on the worker's device, and the residency guard checks them; the
+only values that leave the device are the sampled token ids (in the engine).
 """
 
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from llorch.device import assert_module_resident, assert_resident, tensor_bytes
-from llorch.models.decoder import Decoder, LayerKV
+from llorch.engine.kv_blocks import NULL_BLOCK
+from llorch.models.config import ModelConfig
+from llorch.models.decoder import Decoder
+from llorch.models.paged import SegmentSpec, allocate_kv, build_step
+
+BLOCK_SIZE = 16  # tokens per KV block: the unit of allocation and of prefix sharing
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a step: feed `token_ids` after `start` cached tokens."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    wants_logits: bool  # the chunk ends the known tokens, so the next token is sampled from it
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, kv_cache_bytes: int,
+                 block_size: int = BLOCK_SIZE) -> None:
         self.model = model
         self.config = model.config
         self.device = device
         self.dtype = dtype
+        self.block_size = block_size
         assert_module_resident(device, model)
         self.weight_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
-        self._kv_bytes = 0
-        self._lock = threading.Lock()  # kv accounting is read from the HTTP thread
+        self.num_blocks = kv_cache_bytes // self.bytes_per_block(model.config, dtype, block_size)
+        if self.num_blocks < 2:
+            raise ValueError("the KV cache budget is smaller than two blocks")
+        self.kv = allocate_kv(self.config, self.num_blocks * block_size, dtype, device)
+        null = slice(NULL_BLOCK * block_size, (NULL_BLOCK + 1) * block_size)
+        for layer in self.kv:  # padding reads the null block: it must hold finite numbers
+            layer.keys[null].zero_()
+            layer.values[null].zero_()
+        assert_resident(device, [item for i, layer in enumerate(self.kv) for item in
+                                 ((f"kv.{i}.keys", layer.keys), (f"kv.{i}.values", layer.values))])
+        self.kv_bytes = tensor_bytes(t for layer in self.kv for t in (layer.keys, layer.values))
+        self._block_offsets = np.arange(block_size, dtype=np.int64)
 
-    @property
-    def kv_bytes(self) -> int:
-        with self._lock:
-            return self._kv_bytes
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> int:
+        element = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element * block_size
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes the model and its KV caches hold on the device (the contract's vram_bytes)."""
+        """Bytes the model and its KV pool hold on the device (the contract's vram_bytes)."""
         return self.weight_bytes + self.kv_bytes
 
-    def allocate_cache(self, capacity: int) -> list[LayerKV]:
-        cfg = self.config
-        shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
-        cache = [
-            LayerKV(torch.empty(shape, dtype=self.dtype, device=self.device),
-                    torch.empty(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
-        assert_resident(self.device, self._named(cache))
-        with self._lock:
-            self._kv_bytes += self.cache_bytes(cache)
-        return cache
-
-    def free_cache(self, cache: list[LayerKV]) -> None:
-        with self._lock:
-            self._kv_bytes -= self.cache_bytes(cache)
-        for layer in cache:  # drop the storage now, not when the sequence object goes away
-            layer.keys = layer.values = torch.empty(0, device=self.device)
-
-    @staticmethod
-    def cache_bytes(cache: list[LayerKV]) -> int:
-        return tensor_bytes(t for layer in cache for t in (layer.keys, layer.values))
-
-    @staticmethod
-    def _named(cache: list[LayerKV]) -> list[tuple[str, Tensor]]:
-        return [item for i, layer in enumerate(cache)
-                for item in ((f"kv.{i}.keys", layer.keys), (f"kv.{i}.values", layer.values))]
+    @property
+    def tokens_per_pool(self) -> int:
+        """Tokens the pool can hold at once (the padding block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
 
     @torch.inference_mode()
-    def forward(self, token_ids: Tensor, start: int, cache: list[LayerKV]) -> Tensor:
-        """Last-position logits [vocab] after feeding `token_ids` (1-d, on the device) at `start`."""
-        positions = torch.arange(start, start + token_ids.numel(), device=self.device)
-        return self.model(token_ids.view(1, -1), positions, cache)[0, -1]
+    def forward(self, segments: list[Segment]) -> Tensor:
+        """Logits [R, vocab] for the segments that want them, in order, after one batched forward.
+
+        Single-token segments should come first and together: they share one attention call.
+        """
+        specs, ids, logit_rows, row = [], [], [], 0
+        for seg in segments:
+            end = seg.start + len(seg.token_ids)
+            table = np.asarray(seg.block_table, dtype=np.int64)
+            slots = (table[:, None] * self.block_size + self._block_offsets).reshape(-1)[:end]
+            specs.append(SegmentSpec(seg.start, len(seg.token_ids), slots))
+            ids.extend(seg.token_ids)
+            row += len(seg.token_ids)
+            if seg.wants_logits:
+                logit_rows.append(row - 1)
+        batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=NULL_BLOCK * self.block_size)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv)

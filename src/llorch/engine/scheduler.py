@@ -1,32 +1,61 @@
-"""Which sequences run in the next engine step: first come, first served.
+"""What the next engine step computes: continuous batching over a paged KV pool, first come, first served.
 
-Waiting sequences are admitted in arrival order while fewer than `max_running`
-are running; every running sequence advances each step. (Batched forwards and a
-KV memory budget come with continuous batching; this keeps the same shape.)
+Each step, every running sequence advances: a decoding one by its last sampled
+token, one still reading its prompt by a chunk of it. Prompt chunks share a budget
+of `max_batch_tokens` per step, so a long prompt is read over several steps while
+the others keep streaming. Waiting jobs are admitted strictly in arrival order
+(never skipped by a later, smaller job) while fewer than `max_running` run and the
+pool has room for the whole prompt plus one block for each running sequence.
+
+A running sequence that needs a block when none is free takes one from the most
+recently admitted sequence, which is preempted: its blocks are released and it goes
+back to the queue at its arrival position, to recompute its tokens when readmitted
+(its stream simply pauses). The oldest job therefore always makes progress.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llorch.engine.kv_blocks import BlockPool
 from llorch.engine.sequence import Sequence, SequenceState
 
 
 @dataclass
+class Chunk:
+    seq: Sequence
+    tokens: int  # how many of the sequence's pending tokens this step feeds
+
+    @property
+    def completes(self) -> bool:
+        """After this chunk every known token is cached: the next token is sampled from it."""
+        return self.tokens == self.seq.pending
+
+
+@dataclass
 class StepPlan:
-    prefill: list[Sequence]
-    decode: list[Sequence]
+    chunks: list[Chunk] = field(default_factory=list)  # single tokens first, then prompt chunks
+    admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_hit_tokens: int = 0
 
 
 class Scheduler:
-    def __init__(self, max_running: int) -> None:
+    def __init__(self, blocks: BlockPool, max_running: int, max_batch_tokens: int) -> None:
+        self.blocks = blocks
         self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a job at its arrival position (a preempted job goes back ahead of later arrivals)."""
+        if not self.waiting or self.waiting[-1].arrival < seq.arrival:
+            self.waiting.append(seq)
+            return
+        index = next(i for i, other in enumerate(self.waiting) if other.arrival > seq.arrival)
+        self.waiting.insert(index, seq)
 
     def find(self, job_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):
@@ -35,19 +64,12 @@ class Scheduler:
         return None
 
     def remove(self, seq: Sequence) -> None:
+        """Forget a finished sequence and release its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-
-    def plan(self) -> StepPlan:
-        decode = [s for s in self.running if s.state is SequenceState.RUNNING]
-        prefill: list[Sequence] = []
-        while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting.popleft()
-            self.running.append(seq)
-            prefill.append(seq)
-        return StepPlan(prefill=prefill, decode=decode)
+        self._release_blocks(seq)
 
     @property
     def idle(self) -> bool:
@@ -55,3 +77,89 @@ class Scheduler:
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        singles: list[Chunk] = []
+        prompts: list[Chunk] = []
+        budget = self.max_batch_tokens
+        for seq in list(self.running):
+            if seq.state is not SequenceState.RUNNING:  # preempted earlier in this loop
+                continue
+            tokens = 1 if seq.pending == 1 else min(seq.pending, budget)
+            if tokens == 0:
+                continue
+            if not self._grow(seq, seq.num_computed + tokens, plan):
+                continue
+            (singles if tokens == 1 else prompts).append(Chunk(seq, tokens))
+            if seq.pending > 1:
+                budget -= tokens
+        if not plan.preempted:  # a pool tight enough to preempt admits nobody this step
+            budget = self._admit(plan, prompts, budget)
+        plan.chunks = singles + prompts
+        return plan
+
+    def _admit(self, plan: StepPlan, prompts: list[Chunk], budget: int) -> int:
+        size = self.blocks.block_size
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
+            seq = self.waiting[0]
+            # At least the last known token is computed: its logits give the next token.
+            reusable = (seq.length - 1) // size
+            hits = self.blocks.lookup(seq.block_hashes(size)[:reusable])
+            fresh = self.blocks.blocks_for(seq.length) - len(hits)
+            headroom = len(self.running)  # one block for each running sequence's next token
+            if self.blocks.free_blocks - self.blocks.free_among(hits) < fresh + headroom:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.blocks.take(hits)
+            seq.block_table = list(hits)
+            for _ in range(fresh):
+                block = self.blocks.allocate()
+                assert block is not None
+                seq.block_table.append(block)
+            seq.num_computed = seq.registered_blocks = len(hits)
+            seq.num_computed *= size
+            plan.prefix_hit_tokens += seq.num_computed
+            seq.state = SequenceState.RUNNING
+            self.running.append(seq)
+            plan.admitted.append(seq)
+            tokens = min(seq.pending, budget)
+            prompts.append(Chunk(seq, tokens))
+            budget -= tokens
+        return budget
+
+    def _grow(self, seq: Sequence, tokens: int, plan: StepPlan) -> bool:
+        """Blocks for `tokens` tokens of `seq`, preempting newer sequences if need be (False: seq itself)."""
+        while len(seq.block_table) < self.blocks.blocks_for(tokens):
+            block = self.blocks.allocate()
+            if block is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    return False
+                continue
+            seq.block_table.append(block)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release_blocks(seq)
+        seq.state = SequenceState.WAITING
+        self.add(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = seq.registered_blocks = 0
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed blocks to the prefix cache."""
+        size = self.blocks.block_size
+        full = seq.num_computed // size
+        if full > seq.registered_blocks:
+            hashes = seq.block_hashes(size)
+            for i in range(seq.registered_blocks, full):
+                self.blocks.register(seq.block_table[i], hashes[i])
+            seq.registered_blocks = full

@@ -22,8 +22,18 @@ class Telemetry:
         self.time_per_output_token = Histogram(
             "llorch_time_per_output_token_seconds", "Engine time per generated token after the first",
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("llorch_batch_size", "Jobs sharing each forward step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.queue_depth = Gauge("llorch_queue_depth", "Jobs accepted and waiting for a slot", registry=r)
         self.running = Gauge("llorch_running_jobs", "Jobs being generated", registry=r)
-        self.kv_cache_bytes = Gauge("llorch_kv_cache_bytes", "Bytes held by KV caches on the device", registry=r)
+        self.kv_cache_bytes = Gauge("llorch_kv_cache_bytes", "Bytes of KV pool blocks held by jobs", registry=r)
+        self.kv_cache_capacity_bytes = Gauge(
+            "llorch_kv_cache_capacity_bytes", "Bytes of the KV pool allocated on the device", registry=r)
+        self.kv_cached_blocks = Gauge(
+            "llorch_kv_cached_blocks", "KV blocks addressable by the prefix cache (held or reusable)", registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "llorch_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache", registry=r)
+        self.preemptions = Counter(
+            "llorch_preemptions", "Jobs sent back to the queue because the KV pool was full", registry=r)
         self.weights_bytes = Gauge("llorch_weights_bytes", "Bytes of model weights on the device", registry=r)
         self.model = Info("llorch_model", "The served model and device", registry=r)

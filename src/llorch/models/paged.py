@@ -1,0 +1,145 @@
+"""The KV cache as a pool of slots, and the layout of one batched forward step over it.
+
+Every layer stores keys and values as `[slots, kv_heads, head_dim]`. A sequence's
+tokens live in slots scattered over the pool (the engine hands out blocks of
+slots); a step says, for every new token, which slot it writes, and for every
+sequence, which slots its queries read.
+
+One step carries the new tokens of many sequences flattened into N rows: every
+linear layer runs once over all N rows, and attention runs per group. A group is
+either a run of single-token sequences (the decoding ones, batched into one
+attention call, shorter histories padded and masked) or one sequence's chunk of
+prompt. Padding reads slot `pad_slot`, which must hold finite numbers (the engine
+reserves a zeroed block for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from llorch.models.config import ModelConfig
+
+
+class LayerKV:
+    """One layer's keys and values: [slots, kv_heads, head_dim] each."""
+
+    def __init__(self, keys: Tensor, values: Tensor) -> None:
+        self.keys = keys
+        self.values = values
+
+
+def allocate_kv(config: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device,
+                zeroed: bool = False) -> list[LayerKV]:
+    shape = (slots, config.num_kv_heads, config.head_dim)
+    make = torch.zeros if zeroed else torch.empty  # empty: untouched pages cost no RSS
+    return [LayerKV(make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)]
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """One sequence's part of a step: `length` new tokens after `start` cached ones."""
+
+    start: int
+    length: int
+    slots: np.ndarray  # the slot of every position 0 .. start + length - 1 (int64)
+
+
+@dataclass(frozen=True)
+class KeyView:
+    """What a group's queries read: slot indices [batch, keys] and a mask [batch, 1, q_len, keys] (None: all)."""
+
+    slots: Tensor
+    mask: Tensor | None
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Rows [start, start + batch * q_len) of the step: `batch` sequences of `q_len` queries."""
+
+    start: int
+    batch: int
+    q_len: int
+    full: KeyView
+    window: KeyView | None  # for sliding-window layers; None when the model has none
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.q_len
+
+
+@dataclass
+class StepBatch:
+    positions: Tensor  # [N] absolute position of every new token
+    slots: Tensor  # [N] where every new token's key and value are written
+    groups: list[AttentionGroup]
+    logit_rows: Tensor | None  # rows whose logits are wanted; None: every row
+    _rope: dict[tuple[float, float, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def rope(self, key: tuple[float, float, int], compute: Callable[[], tuple[Tensor, Tensor]]
+             ) -> tuple[Tensor, Tensor]:
+        """cos/sin for this step's positions, computed once per rope variant instead of once per layer."""
+        if key not in self._rope:
+            self._rope[key] = compute()
+        return self._rope[key]
+
+
+def build_step(specs: list[SegmentSpec], config: ModelConfig, device: torch.device,
+               logit_rows: list[int] | None = None, pad_slot: int = 0) -> StepBatch:
+    """The layout of one step; the index tensors are built on the host and moved in one go each."""
+    positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in specs])
+    slots = np.concatenate([s.slots[s.start : s.start + s.length] for s in specs])
+    groups: list[AttentionGroup] = []
+    row, i = 0, 0
+    while i < len(specs):
+        j = i + 1
+        if specs[i].length == 1:  # batch a run of decoding sequences into one group
+            while j < len(specs) and specs[j].length == 1:
+                j += 1
+        members = specs[i:j]
+        window = config.sliding_window if any(config.sliding_layers) else None
+        groups.append(AttentionGroup(
+            start=row, batch=len(members), q_len=members[0].length,
+            full=_key_view(members, None, device, pad_slot),
+            window=_key_view(members, window, device, pad_slot) if window is not None else None,
+        ))
+        row += sum(s.length for s in members)
+        i = j
+    return StepBatch(
+        positions=torch.from_numpy(positions).to(device),
+        slots=torch.from_numpy(slots).to(device),
+        groups=groups,
+        logit_rows=None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.long, device=device),
+    )
+
+
+def _key_view(members: list[SegmentSpec], window: int | None, device: torch.device, pad_slot: int) -> KeyView:
+    q_len = members[0].length
+    ends = [s.start + s.length for s in members]
+    # Sliding layers read only the keys some query of the segment can still see.
+    firsts = [max(0, s.start - window + 1) if window is not None else 0 for s in members]
+    width = max(end - first for first, end in zip(firsts, ends, strict=True))
+    slots = np.full((len(members), width), pad_slot, dtype=np.int64)
+    key_pos = np.full((len(members), width), np.iinfo(np.int64).max, dtype=np.int64)
+    for b, (spec, first, end) in enumerate(zip(members, firsts, ends, strict=True)):
+        slots[b, : end - first] = spec.slots[first:end]
+        key_pos[b, : end - first] = np.arange(first, end)
+    query_pos = np.stack([np.arange(s.start, s.start + q_len) for s in members])  # [batch, q_len]
+    delta = query_pos[:, :, None] - key_pos[:, None, :]  # [batch, q_len, keys]; padding is negative
+    allowed = delta >= 0
+    if window is not None:
+        allowed &= delta < window
+    mask = None if allowed.all() else torch.from_numpy(allowed[:, None]).to(device)
+    return KeyView(torch.from_numpy(slots).to(device), mask)
+
+
+def contiguous_step(config: ModelConfig, start: int, length: int, device: torch.device,
+                    last_only: bool = True) -> StepBatch:
+    """A step for one sequence whose position p lives in slot p (a cache of its own)."""
+    spec = SegmentSpec(start, length, np.arange(start + length, dtype=np.int64))
+    return build_step([spec], config, device, logit_rows=[length - 1] if last_only else None)

@@ -1,0 +1,232 @@
+"""Continuous batching: concurrent jobs share forward steps over a paged, prefix-cached KV pool.
+
+What holds, by weight type (the runner-level tests measure it):
+- float32 compute: a job's logits in a batch differ from the job alone by float rounding
+  only (measured about 2e-5 on logits of size 20-30; the test allows 1e-3), so greedy
+  tokens are the same. GGUF files, the quantized default model included, are dequantized
+  to the compute dtype at load, so they behave exactly as their compute dtype.
+- bfloat16 compute: activations are rounded to 8 bits of mantissa, and a different
+  batch shape rounds differently: measured up to 2% of the largest logit; the test
+  allows 5%, and requires the same top token wherever the alone top-2 margin exceeds
+  twice the measured difference. Greedy text may therefore diverge at a near-tie.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import Worker, start_worker, stop_worker
+from jobs import GREEDY, Job, make_engine, run
+from llorch.engine.engine import Engine, QueueFull
+from llorch.engine.kv_blocks import BlockPool
+from llorch.engine.request import GenerationRequest, SamplingParams
+from llorch.engine.runner import ModelRunner, Segment
+from llorch.weights.default_model import default_model_path
+from llorch.weights.loader import LoadedModel, load_model
+from soak import soak
+from tiny_model import write_tiny_gemma3
+
+pytestmark = pytest.mark.cpu
+
+# Different lengths (one spans several KV blocks and prefill chunks) and different max_tokens.
+PROMPTS = [
+    ("The capital of France is", 14),
+    ("Write a short poem about the sea and the sky, in four lines:\n", 22),
+    ("def fibonacci(n):\n    ", 18),
+    ("List the prime numbers below 50: 2, 3, 5,", 30),
+    ("Translate to German: 'The weather is nice today.'", 12),
+    ("Once upon a time, in a kingdom far away, there lived a " + "very " * 40 + "old king who", 25),
+    ("Q: What is 12 times 12?\nA:", 10),
+    ("Les chats et les chiens sont", 20),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_tiny_gemma3(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    return load_model(path, torch.device("cpu"), torch.float32)
+
+
+def submit_all(engine: Engine, jobs: list[tuple[str, str, int]], sampling: SamplingParams = GREEDY) -> list[Job]:
+    return [run(engine, job_id, prompt, max_tokens, sampling) for job_id, prompt, max_tokens in jobs]
+
+
+def test_concurrent_greedy_jobs_equal_each_job_alone_in_f32(ours: LoadedModel) -> None:
+    jobs = [(f"job-{i}", prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(PROMPTS)]
+    # A small prompt budget makes the long prompt arrive in chunks while others decode.
+    engine = make_engine(ours, max_running=8, engine_options={"max_batch_tokens": 64})
+    try:
+        alone = [job.wait() and job for job in (run(engine, *spec) for spec in jobs)]
+        assert engine.largest_batch == 1
+        together = submit_all(engine, jobs)
+        for job in together:
+            job.wait()
+    finally:
+        engine.stop()
+    assert engine.largest_batch == 8, "all eight jobs shared a forward step"
+    for spec, one, many in zip(jobs, alone, together, strict=True):
+        assert many.events[-1] == one.events[-1] | {"decode_time_ms": many.events[-1]["decode_time_ms"]}, spec
+        assert many.text == one.text, spec
+    assert engine.blocks.used_blocks == 0
+
+
+@pytest.mark.parametrize("dtype, relative_tolerance", [(torch.float32, 1e-3 / 30), (torch.bfloat16, 0.05)])
+def test_batched_logits_equal_alone_within_the_dtype_tolerance(
+    ours: LoadedModel, dtype: torch.dtype, relative_tolerance: float
+) -> None:
+    loaded = ours if dtype == torch.float32 else load_model(default_model_path(), torch.device("cpu"), dtype)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), dtype, kv_cache_bytes=64 * 2**20)
+    prompts = [loaded.tokenizer.encode(p) for p, _ in PROMPTS[:5]]
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
+    alone = torch.stack([runner.forward([Segment(ids, 0, table, True)])[0]
+                         for ids, table in zip(prompts, tables, strict=True)]).float()
+    # One step: four sequences re-feed their last token (decode shape), the fifth reads
+    # the rest of its prompt after a first chunk was cached in an earlier step.
+    last = prompts[4]
+    runner.forward([Segment(last[:7], 0, tables[4], False)])
+    step = [Segment(ids[-1:], len(ids) - 1, table, True) for ids, table in zip(prompts[:4], tables[:4], strict=True)]
+    together = runner.forward([*step, Segment(last[7:], 7, tables[4], True)]).float()
+    scale = alone.abs().max()
+    difference = (together - alone).abs().max()
+    assert difference <= relative_tolerance * scale
+    top2 = alone.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * difference
+    assert torch.equal(together.argmax(-1)[clear], alone.argmax(-1)[clear])
+
+
+def test_prefix_cache_hits_are_exact(ours: LoadedModel) -> None:
+    system = ("You are a helpful assistant. Answer in one short sentence, politely, and never "
+              "mention that you are a model. Today is a sunny day in Paris and the user is curious. ")
+    questions = ["What is the capital of Italy?", "Name a red fruit.", "What is 2 + 2?", "Say hello."]
+    jobs = [(f"q{i}", system + q, 12) for i, q in enumerate(questions)]
+    shared_blocks = len(ours.tokenizer.encode(system)) // 16
+    assert shared_blocks >= 2
+    cached = make_engine(ours, engine_options={"prefix_caching": True})
+    uncached = make_engine(ours, engine_options={"prefix_caching": False})
+    try:
+        plain = [job.wait() and job for job in (run(uncached, *spec) for spec in jobs)]
+        sequential = [job.wait() and job for job in (run(cached, *spec) for spec in jobs)]
+        hits_after_sequential = cached.telemetry.prefix_cache_hit_tokens._value.get()
+        # The same prompts again, all at once and once more exactly (a full hit recomputes the last token).
+        concurrent = submit_all(cached, [(f"again-{job_id}", prompt, n) for job_id, prompt, n in jobs])
+        repeat = run(cached, "repeat", jobs[0][1], 12)
+        for job in [*concurrent, repeat]:
+            job.wait()
+    finally:
+        cached.stop()
+        uncached.stop()
+    assert uncached.telemetry.prefix_cache_hit_tokens._value.get() == 0
+    assert hits_after_sequential >= 3 * shared_blocks * 16, "later jobs reused the system prompt's blocks"
+    for one, two, three in zip(plain, sequential, concurrent, strict=True):
+        assert one.text == two.text == three.text
+    assert repeat.text == plain[0].text
+    assert cached.blocks.used_blocks == 0 and cached.blocks.cached_blocks > 0
+
+
+def test_bounded_stress_every_job_ends_once_and_the_pool_empties(tiny: LoadedModel) -> None:
+    """A pool too small for everyone (preemption), a short queue (QueueFull), random cancels."""
+    rng = random.Random(7)
+    # 24 blocks of 16 tokens: six jobs of up to ~100 tokens cannot all fit at once.
+    block_bytes = ModelRunner.bytes_per_block(tiny.config, torch.float32)
+    engine = make_engine(tiny, max_running=6, kv_cache_mb=25 * block_bytes / 2**20,
+                         engine_options={"max_queue": 6, "max_batch_tokens": 32})
+    words = ["the", "a", "of", "to", "is", "and", "in", "e", "t"]
+    accepted: dict[str, Job] = {}
+    rejected = 0
+    try:
+        alone = {}
+        for i in range(40):
+            # Six long jobs first: together they outgrow the pool, whatever the machine's speed.
+            prompt = " ".join(rng.choices(words, k=40 if i < 6 else rng.randint(1, 40)))
+            max_tokens = 60 if i < 6 else rng.randint(1, 60)
+            request = GenerationRequest(f"s{i}", prompt, max_tokens, GREEDY)
+            job = Job()
+            try:
+                engine.submit(request, engine.prepare(request), job.emit)
+            except QueueFull:
+                rejected += 1
+                time.sleep(0.02)
+                continue
+            accepted[request.job_id] = job
+            alone[request.job_id] = (prompt, max_tokens)
+            if rng.random() < 0.25:
+                threading.Timer(rng.uniform(0, 0.05), engine.cancel, (request.job_id,)).start()
+        for job in accepted.values():
+            job.wait(60)
+        assert engine.telemetry.preemptions._value.get() > 0, "the pool was small enough to preempt"
+        # Jobs that ran to the end produced what they produce alone, preempted or not.
+        for job_id, job in accepted.items():
+            if job.events[-1].get("stop_reason") in ("MAX_TOKENS", "EOS"):
+                solo = run(engine, f"solo-{job_id}", *alone[job_id])
+                solo.wait()
+                assert solo.text == job.text, job_id
+    finally:
+        engine.stop()
+    assert rejected > 0 and len(accepted) > 10
+    for job_id, job in accepted.items():
+        assert len(job.terminal_events) == 1 and job.events[-1] is job.terminal_events[0], job_id
+        assert job.events[0]["type"] == "started", job_id
+    assert any(job.events[-1].get("stop_reason") == "CANCELLED" for job in accepted.values())
+    assert engine.blocks.used_blocks == 0
+    assert engine.jobs_in_flight == 0
+
+
+@pytest.fixture
+def tiny_worker(tmp_path: Path) -> Iterator[Worker]:
+    model = write_tiny_gemma3(tmp_path / "tiny.gguf")
+    worker = start_worker(tmp_path, "--model", str(model), "--max-running", "4", "--max-queue", "2",
+                          "--kv-cache-mb", "1")
+    try:
+        yield worker
+    finally:
+        stop_worker(worker)
+
+
+def test_http_stress_disconnects_cancels_and_busy_answers(tiny_worker: Worker) -> None:
+    report = soak(tiny_worker.base_url, tiny_worker.process.pid, clients=10, seconds=8)
+    assert report.busy_503 > 0, "more clients than slots + queue get 503 with Retry-After"
+    assert report.accepted > 20 and report.disconnected > 0 and report.cancelled > 0
+    assert report.server_errors_5xx == 0
+    assert report.exactly_one_terminal == report.completed + report.cancelled
+    assert report.ended_by_worker == report.accepted
+    assert report.in_flight_after == 0 and report.kv_bytes_after == 0
+    assert not report.problems
+
+
+def test_block_pool_reference_counts_and_evicts_least_recently_released() -> None:
+    pool = BlockPool(num_blocks=5, block_size=4)
+    a, b = pool.allocate(), pool.allocate()
+    assert (a, b) == (1, 2) and pool.free_blocks == 2
+    pool.register(a, b"A")
+    pool.register(b, b"B")
+    pool.take(pool.lookup([b"A", b"B"]))  # a second holder shares both
+    pool.release([a, b])
+    assert pool.used_blocks == 2  # still held once
+    pool.release([b])
+    pool.release([a])
+    assert pool.used_blocks == 0 and pool.cached_blocks == 2
+    # Blank blocks go first, then cached ones, least recently released (b) first.
+    assert [pool.allocate(), pool.allocate()] == [3, 4]
+    assert pool.allocate() == b and pool.lookup([b"A", b"B"]) == [a]
+    assert pool.allocate() == a and pool.allocate() is None
+    with pytest.raises(AssertionError):
+        pool.release([a, a])
+
+
+def test_rope_positions_follow_the_block_table_not_the_slot(ours: LoadedModel) -> None:
+    """The same tokens in scattered blocks give the same logits as in consecutive ones."""
+    runner = ModelRunner(ours.model, torch.device("cpu"), torch.float32, kv_cache_bytes=64 * 2**20)
+    ids = ours.tokenizer.encode(PROMPTS[5][0])
+    blocks = runner.num_blocks
+    scattered = list(np.random.default_rng(0).permutation(np.arange(1, blocks))[:8])
+    first = runner.forward([Segment(ids, 0, list(range(1, 9)), True)])
+    second = runner.forward([Segment(ids, 0, [int(b) for b in scattered], True)])
+    assert (first - second).abs().max() < 1e-4
