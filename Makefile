@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: setup test-setup serve test lint bench clean
+.PHONY: setup test-setup serve test lint bench bench-concurrency clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ test: test-setup
 
 bench: test-setup
 	$(PY) bench/decode.py $(ARGS)
+
+bench-concurrency: test-setup
+	$(PY) bench/concurrency.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
