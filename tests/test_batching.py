@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from conftest import Worker, start_worker, stop_worker
 from jobs import GREEDY, Job, make_engine, run
+from llorch.api.app import WorkerState, create_app
 from llorch.engine.engine import Engine, QueueFull
 from llorch.engine.kv_blocks import BlockPool
 from llorch.engine.request import GenerationRequest, SamplingParams
@@ -230,3 +232,36 @@ def test_rope_positions_follow_the_block_table_not_the_slot(ours: LoadedModel) -
     first = runner.forward([Segment(ids, 0, list(range(1, 9)), True)])
     second = runner.forward([Segment(ids, 0, [int(b) for b in scattered], True)])
     assert (first - second).abs().max() < 1e-4
+
+
+def tiny_client(loaded: LoadedModel, kv_blocks: int, **engine_options: int) -> tuple[TestClient, Engine]:
+    """The app over an engine whose loop is not started: submitted jobs stay queued."""
+    runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32,
+                         kv_cache_bytes=kv_blocks * ModelRunner.bytes_per_block(loaded.config, torch.float32))
+    engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size=4096, **engine_options)
+    state = WorkerState("cpu", "cpu", telemetry=engine.telemetry)
+    state.attach(engine, loaded.name, loaded.model_id, None)
+    return TestClient(create_app(state)), engine
+
+
+def test_a_full_queue_answers_503_with_retry_after_on_both_apis(tiny: LoadedModel) -> None:
+    client, engine = tiny_client(tiny, kv_blocks=64, max_queue=1)
+    run(engine, "waiting", "the a of", 4)
+    response = client.post("/execute", json={"job_id": "one-too-many", "prompt": "the", "max_tokens": 4})
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.json()["errors"][0]["field"] == "worker"
+    assert "busy" in response.json()["errors"][0]["message"]
+    response = client.post("/v1/completions", json={"model": tiny.model_id, "prompt": "the", "max_tokens": 4})
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "server_busy"
+    assert engine.jobs_in_flight == 1  # only the job that was already waiting
+
+
+def test_a_job_larger_than_the_whole_kv_pool_is_refused_with_400(tiny: LoadedModel) -> None:
+    client, engine = tiny_client(tiny, kv_blocks=8)  # 7 usable blocks of 16 tokens
+    response = client.post("/execute", json={"job_id": "huge", "prompt": "the a", "max_tokens": 200})
+    assert response.status_code == 400
+    error = response.json()["errors"][0]
+    assert error["field"] == "max_tokens" and "--kv-cache-mb" in error["message"]
+    assert error["constraint"] == f"prompt_tokens + max_tokens <= {7 * 16}"
+    assert engine.jobs_in_flight == 0

@@ -167,3 +167,11 @@ def test_pickle_checkpoints_are_refused(tmp_path: Path) -> None:
 def test_context_size_beyond_the_model(tmp_path: Path) -> None:
     result = run_worker("--ctx-size", "999999")
     assert_one_line_failure(result, "--ctx-size 999999")
+
+
+def test_kv_cache_budgets_that_cannot_hold_two_blocks_are_refused() -> None:
+    result = run_worker("--kv-cache-mb", "0")
+    assert result.returncode == 2 and "--kv-cache-mb: must be at least 1, got 0" in result.stderr
+    # One 16-token block of the default model in float32 is 0.56 MB: 1 MB holds only one.
+    result = run_worker("--kv-cache-mb", "1", "--dtype", "f32")
+    assert_one_line_failure(result, "--kv-cache-mb 1 is smaller than two KV blocks of this model")

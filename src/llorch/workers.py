@@ -25,7 +25,7 @@ from llorch.api.app import WorkerState, create_app
 from llorch.api.callback import send_ready
 from llorch.device import Backend, resolve_backend, verify_device
 from llorch.engine.engine import Engine
-from llorch.engine.runner import ModelRunner
+from llorch.engine.runner import BLOCK_SIZE, ModelRunner
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
@@ -81,7 +81,7 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-mb", type=positive_int, default=None,
                         help="memory of the paged KV cache pool, allocated at start-up (default: "
                              f"{DEFAULT_CPU_KV_MB} MB on the CPU, {DEFAULT_CUDA_KV_FRACTION:.0%} of the GPU "
-                             "memory free after loading)")
+                             "memory free after loading; at most --max-running full contexts)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="do not reuse KV blocks of prompt prefixes shared between jobs")
     parser.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -153,8 +153,10 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
     ctx_size = args.ctx_size or loaded.config.context_length
     if not 0 < ctx_size <= loaded.config.context_length:
         raise StartupError(f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)")
-    kv_bytes = kv_cache_budget(args.kv_cache_mb, backend.device)
     block_bytes = ModelRunner.bytes_per_block(loaded.config, dtype)
+    kv_bytes = kv_cache_budget(args.kv_cache_mb, backend.device)
+    if args.kv_cache_mb is None:  # never more than every slot at full context (+ the padding block)
+        kv_bytes = min(kv_bytes, (args.max_running * -(-ctx_size // BLOCK_SIZE) + 1) * block_bytes)
     if kv_bytes < 2 * block_bytes:
         raise StartupError(f"--kv-cache-mb {args.kv_cache_mb} is smaller than two KV blocks of this model "
                            f"({2 * block_bytes / 2**20:.2f} MB)")
