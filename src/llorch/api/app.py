@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from llorch.api.auth import install_bearer_auth
 from llorch.api.body import BadRequest, read_json
-from llorch.api.jobs import JobStream
+from llorch.api.jobs import RETRY_AFTER_S, JobStream
 from llorch.api.openai import OpenAIContext, create_openai_router, openapi_components
 from llorch.api.schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.api.streaming import NDJSON, SSE, frame, negotiate
@@ -37,7 +37,6 @@ log = logging.getLogger("llorch.api")
 # The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
 WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
 CORRELATION_HEADER = "X-Correlation-ID"
-RETRY_AFTER_S = "1"  # a busy or loading worker: try again (or another worker) shortly
 
 
 @dataclass

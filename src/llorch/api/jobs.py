@@ -15,6 +15,8 @@ from llorch.engine.request import Event, GenerationRequest
 
 log = logging.getLogger("llorch.api")
 
+RETRY_AFTER_S = "1"  # a busy, loading or draining worker: try again (or another worker) shortly
+
 
 class JobStream:
     def __init__(self, engine: Engine, request: GenerationRequest, prompt_ids: list[int]) -> None:

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.body import BadRequest, read_json
-from llorch.api.jobs import JobStream
+from llorch.api.jobs import RETRY_AFTER_S, JobStream
 from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from llorch.engine.engine import DuplicateJob, Engine, QueueFull, RequestRejected
 from llorch.engine.request import End, Error, ErrorCode, Event, GenerationRequest, TokenLogprob, TokenText
@@ -207,7 +207,7 @@ async def generate(ctx: OpenAIContext, body: Any, prompt: str, add_special: bool
         for submitted in streams:  # all n choices or none
             engine.cancel(submitted.request.job_id)
         raise OpenAIError(503, f"The worker is busy: {exc}. Retry shortly.", kind="server_error",
-                          code="server_busy", headers={"Retry-After": "1"}) from exc
+                          code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
     created = int(time.time())
     shape = ChatShape(request_id, created, ctx.model_id) if chat else CompletionShape(request_id, created, ctx.model_id)
     if body.stream:

@@ -104,8 +104,7 @@ class Engine:
         self.telemetry = telemetry or Telemetry()
         self.telemetry.queue_depth.set_function(lambda: len(self.scheduler.waiting))
         self.telemetry.running.set_function(lambda: len(self.scheduler.running))
-        block_bytes = runner.kv_bytes // runner.num_blocks
-        self.telemetry.kv_cache_bytes.set_function(lambda: self.blocks.used_blocks * block_bytes)
+        self.telemetry.kv_cache_bytes.set_function(lambda: self.blocks.used_blocks * runner.block_bytes)
         self.telemetry.kv_cache_capacity_bytes.set_function(lambda: runner.kv_bytes)
         self.telemetry.kv_cached_blocks.set_function(lambda: self.blocks.cached_blocks)
         self.telemetry.weights_bytes.set_function(lambda: self.runner.weight_bytes)

@@ -114,6 +114,3 @@ class BlockPool:
             return
         self._by_hash[digest] = block
         self._hash_of[block] = digest
-
-    def references(self, block: int) -> int:
-        return self._refs[block]

@@ -43,7 +43,8 @@ class ModelRunner:
         self.block_size = block_size
         assert_module_resident(device, model)
         self.weight_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
-        self.num_blocks = kv_cache_bytes // self.bytes_per_block(model.config, dtype, block_size)
+        self.block_bytes = self.bytes_per_block(model.config, dtype, block_size)
+        self.num_blocks = kv_cache_bytes // self.block_bytes
         if self.num_blocks < 2:
             raise ValueError("the KV cache budget is smaller than two blocks")
         self.kv = allocate_kv(self.config, self.num_blocks * block_size, dtype, device)

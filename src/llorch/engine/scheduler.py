@@ -75,9 +75,6 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def __len__(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # -- planning ---------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -118,8 +115,8 @@ class Scheduler:
                 block = self.blocks.allocate()
                 assert block is not None
                 seq.block_table.append(block)
-            seq.num_computed = seq.registered_blocks = len(hits)
-            seq.num_computed *= size
+            seq.registered_blocks = len(hits)
+            seq.num_computed = len(hits) * size
             plan.prefix_hit_tokens += seq.num_computed
             seq.state = SequenceState.RUNNING
             self.running.append(seq)

@@ -94,6 +94,7 @@ def build_step(specs: list[SegmentSpec], config: ModelConfig, device: torch.devi
     """The layout of one step; the index tensors are built on the host and moved in one go each."""
     positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in specs])
     slots = np.concatenate([s.slots[s.start : s.start + s.length] for s in specs])
+    window = config.sliding_window if any(config.sliding_layers) else None
     groups: list[AttentionGroup] = []
     row, i = 0, 0
     while i < len(specs):
@@ -102,7 +103,6 @@ def build_step(specs: list[SegmentSpec], config: ModelConfig, device: torch.devi
             while j < len(specs) and specs[j].length == 1:
                 j += 1
         members = specs[i:j]
-        window = config.sliding_window if any(config.sliding_layers) else None
         groups.append(AttentionGroup(
             start=row, batch=len(members), q_len=members[0].length,
             full=_key_view(members, None, device, pad_slot),
