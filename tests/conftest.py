@@ -8,10 +8,13 @@ git-ignored .llorch-test.toml), in which case it fails instead.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +37,11 @@ from llorch.weights.loader import LoadedModel, load_model
 
 # The references load local files only; never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite converts and caches many throwaway models: it gets a cache of its own (worker
+# subprocesses inherit it), so it never fills the user's and always tests a cold start.
+if "LLORCH_CACHE_DIR" not in os.environ:
+    os.environ["LLORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="llorch-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LLORCH_CACHE_DIR"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_START_TIMEOUT_S = 120
@@ -66,8 +74,15 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def ours(model_path: Path) -> LoadedModel:
-    """Our model on the CPU in float32, as the worker loads it."""
+    """Our model on the CPU with every weight dequantized to float32 (the worker's --dequantize):
+    the path compared with transformers."""
     return load_model(model_path, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def served(model_path: Path) -> LoadedModel:
+    """Our model as the CPU worker serves it by default: GGUF matrices kept as int8 blocks."""
+    return load_model(model_path, torch.device("cpu"), torch.float32, keep_quantized=True)
 
 
 @dataclass

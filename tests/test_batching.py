@@ -61,7 +61,9 @@ def submit_all(engine: Engine, jobs: list[tuple[str, str, int]], sampling: Sampl
     return [run(engine, job_id, prompt, max_tokens, sampling) for job_id, prompt, max_tokens in jobs]
 
 
-def test_concurrent_greedy_jobs_equal_each_job_alone_in_f32(ours: LoadedModel) -> None:
+@pytest.mark.parametrize("weights", ["ours", "served"], ids=["float32-weights", "int8-weights"])
+def test_concurrent_greedy_jobs_equal_each_job_alone_in_f32(weights: str, request: pytest.FixtureRequest) -> None:
+    ours: LoadedModel = request.getfixturevalue(weights)
     jobs = [(f"job-{i}", prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(PROMPTS)]
     # A small prompt budget makes the long prompt arrive in chunks while others decode.
     engine = make_engine(ours, max_running=8, engine_options={"max_batch_tokens": 64})
@@ -80,11 +82,15 @@ def test_concurrent_greedy_jobs_equal_each_job_alone_in_f32(ours: LoadedModel) -
     assert engine.blocks.used_blocks == 0
 
 
-@pytest.mark.parametrize("dtype, relative_tolerance", [(torch.float32, 1e-3 / 30), (torch.bfloat16, 0.05)])
+@pytest.mark.parametrize("weights, dtype, relative_tolerance", [
+    ("float32", torch.float32, 1e-3 / 30), ("int8", torch.float32, 1e-3 / 30), ("bfloat16", torch.bfloat16, 0.05)])
 def test_batched_logits_equal_alone_within_the_dtype_tolerance(
-    ours: LoadedModel, dtype: torch.dtype, relative_tolerance: float
+    ours: LoadedModel, served: LoadedModel, weights: str, dtype: torch.dtype, relative_tolerance: float
 ) -> None:
-    loaded = ours if dtype == torch.float32 else load_model(default_model_path(), torch.device("cpu"), dtype)
+    """int8 weights: decode rows take the integer-dot kernel, prompt chunks the float GEMM;
+    both multiply the same int8 operands, so only float rounding differs."""
+    loaded = {"float32": ours, "int8": served}.get(weights) or load_model(default_model_path(),
+                                                                          torch.device("cpu"), dtype)
     runner = ModelRunner(loaded.model, torch.device("cpu"), dtype, kv_cache_bytes=64 * 2**20)
     prompts = [loaded.tokenizer.encode(p) for p, _ in PROMPTS[:5]]
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from llorch import device
 from llorch.device import (
     ResidencyError,
     assert_module_resident,
@@ -20,6 +21,7 @@ from llorch.device import (
 from llorch.engine.runner import ModelRunner
 from llorch.errors import BackendUnavailable
 from llorch.weights.loader import LoadedModel
+from llorch.workers import resolve_dtype
 
 
 def run_program(program: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -81,11 +83,11 @@ def test_residency_guard_checks_every_parameter_and_buffer() -> None:
 
 @pytest.mark.cpu
 def test_runner_refuses_a_model_with_a_stray_weight(ours: LoadedModel) -> None:
-    stray = ours.model.layers[3].mlp.up_proj
+    stray = ours.model.layers[3].mlp.down_proj
     original = stray.weight
     stray.weight = nn.Parameter(torch.empty(original.shape, device="meta"), requires_grad=False)
     try:
-        with pytest.raises(ResidencyError, match=r"layers\.3\.mlp\.up_proj\.weight on meta"):
+        with pytest.raises(ResidencyError, match=r"layers\.3\.mlp\.down_proj\.weight on meta"):
             ModelRunner(ours.model, torch.device("cpu"), torch.float32, kv_cache_bytes=2**20)
     finally:
         stray.weight = original
@@ -102,3 +104,28 @@ def test_cuda_worker_device_computes() -> None:
 def test_accelerate_backend_uses_accelerate_blas() -> None:
     backend = resolve_backend("accelerate")
     verify_device(backend.device)
+
+
+HYPERTHREADED = "\n\n".join(
+    f"processor\t: {cpu}\nphysical id\t: 0\ncore id\t\t: {cpu % 4}\nflags\t\t: fpu avx2 fma{extra}"
+    for cpu in range(8) for extra in [" avx512f avx512_bf16"]
+)
+
+
+@pytest.mark.cpu
+def test_threads_default_to_physical_cores_not_hyperthreads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device, "_cpuinfo", lambda: HYPERTHREADED)
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    assert device.physical_cores() == 4
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: {0, 4}, raising=False)  # one core's two threads
+    assert device.physical_cores() == 1
+
+
+@pytest.mark.cpu
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(device, "_cpuinfo", lambda: HYPERTHREADED)
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(device, "_cpuinfo", lambda: HYPERTHREADED.replace(" avx512f avx512_bf16", ""))
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bf16", cpu) == torch.bfloat16  # an explicit choice is kept

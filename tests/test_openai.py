@@ -56,11 +56,11 @@ def test_models_lists_the_loaded_model(client: openai.OpenAI, ours: LoadedModel)
     assert models[0].model_extra["context_length"] == ours.config.context_length
 
 
-def test_completion_is_greedy_text_with_true_usage(client: openai.OpenAI, model_id: str, ours: LoadedModel) -> None:
+def test_completion_is_greedy_text_with_true_usage(client: openai.OpenAI, model_id: str, served: LoadedModel) -> None:
     result = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, temperature=0)
-    prompt_ids = ours.tokenizer.encode(PROMPT)
-    expected = greedy_ids(ours, prompt_ids, 8)
-    assert result.choices[0].text == ours.tokenizer.decode(expected)
+    prompt_ids = served.tokenizer.encode(PROMPT)
+    expected = greedy_ids(served, prompt_ids, 8)
+    assert result.choices[0].text == served.tokenizer.decode(expected)
     assert result.choices[0].finish_reason == "length"
     assert result.usage.prompt_tokens == len(prompt_ids)
     assert result.usage.completion_tokens == len(expected) == 8
@@ -85,14 +85,14 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI, model_i
 
 
 def test_chat_renders_the_template_and_streams_the_same_text(
-    client: openai.OpenAI, model_id: str, ours: LoadedModel
+    client: openai.OpenAI, model_id: str, served: LoadedModel
 ) -> None:
     whole = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=12, temperature=0)
-    prompt_ids = ours.tokenizer.encode(rendered_chat(ours, CHAT), add_special_tokens=False)
-    assert prompt_ids.count(ours.config.bos_token_id) == 1  # the template's BOS, not a second one
+    prompt_ids = served.tokenizer.encode(rendered_chat(served, CHAT), add_special_tokens=False)
+    assert prompt_ids.count(served.config.bos_token_id) == 1  # the template's BOS, not a second one
     assert whole.usage.prompt_tokens == len(prompt_ids)
     assert whole.choices[0].message.role == "assistant"
-    assert whole.choices[0].message.content == ours.tokenizer.decode(greedy_ids(ours, prompt_ids, 12))
+    assert whole.choices[0].message.content == served.tokenizer.decode(greedy_ids(served, prompt_ids, 12))
     stream = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=12, temperature=0,
                                             stream=True)
     chunks = list(stream)
@@ -115,16 +115,16 @@ def test_seed_reproduces_and_n_gives_distinct_choices(client: openai.OpenAI, mod
         assert first.usage.completion_tokens == 36
 
 
-def test_logprobs_are_log_softmax_of_our_logits(client: openai.OpenAI, model_id: str, ours: LoadedModel) -> None:
+def test_logprobs_are_log_softmax_of_our_logits(client: openai.OpenAI, model_id: str, served: LoadedModel) -> None:
     result = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
     logprobs = result.choices[0].logprobs
-    prompt_ids = ours.tokenizer.encode(PROMPT)
-    generated = greedy_ids(ours, prompt_ids, 5)
+    prompt_ids = served.tokenizer.encode(PROMPT)
+    generated = greedy_ids(served, prompt_ids, 5)
     ids = prompt_ids + generated
-    expected = torch.log_softmax(all_logits(ours, ids)[len(prompt_ids) - 1 : -1], dim=-1)
+    expected = torch.log_softmax(all_logits(served, ids)[len(prompt_ids) - 1 : -1], dim=-1)
     for step, token in enumerate(generated):
         assert logprobs.token_logprobs[step] == pytest.approx(float(expected[step, token]), abs=1e-3)
-        assert logprobs.tokens[step] == ours.tokenizer.token_text(token)
+        assert logprobs.tokens[step] == served.tokenizer.token_text(token)
         top = logprobs.top_logprobs[step]
         assert len(top) == 3
         assert max(top, key=top.get) == logprobs.tokens[step]  # greedy picked the most likely

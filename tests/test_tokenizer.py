@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import Reference
+from llorch.cache import cache_dir
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel
-from llorch.weights.tokenizer import Tokenizer, cache_dir, tokenizer_from_gguf, tokenizer_from_hf_dir
+from llorch.weights.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 pytestmark = pytest.mark.cpu
 

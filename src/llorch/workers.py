@@ -23,10 +23,12 @@ from fastapi import FastAPI
 
 from llorch.api.app import WorkerState, create_app
 from llorch.api.callback import send_ready
-from llorch.device import Backend, resolve_backend, verify_device
+from llorch.device import Backend, cpu_has_native_bf16, physical_cores, resolve_backend, verify_device
 from llorch.engine.engine import Engine
 from llorch.engine.runner import BLOCK_SIZE, ModelRunner
 from llorch.errors import StartupError
+from llorch.kernels.build import KernelUnavailable
+from llorch.kernels.build import library as kernel_library
 from llorch.logs import setup_logging
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
@@ -70,7 +72,8 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' (default: $LLORCH_API_KEY)")
     parser.add_argument("--chat-template-file", default=None,
                         help="jinja2 chat template to use instead of the model's own")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for tensor ops")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="CPU threads for tensor ops (default: the physical cores this process may use)")
     parser.add_argument("--max-running", type=positive_int, default=16,
                         help="most jobs batched into one forward step (default 16)")
     parser.add_argument("--max-queue", type=non_negative_int, default=64,
@@ -96,6 +99,10 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info")
     if backend == "cuda":
         parser.add_argument("--cuda-device", type=int, default=0, help="GPU index (default 0)")
+    if backend == "cpu":
+        parser.add_argument("--dequantize", action="store_true",
+                            help="hold GGUF weights dequantized in the compute dtype instead of int8 blocks "
+                                 "(more memory, slower decode; the file's exact numbers)")
     return parser
 
 
@@ -104,7 +111,8 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
         return DTYPES[choice]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    # bf16 only pays on CPUs that compute it natively; elsewhere it is emulated and slower.
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def advertised_host(host: str) -> str:
@@ -124,8 +132,7 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     try:
         # The backend is checked before anything else: a missing one exits at once.
         backend = resolve_backend(backend_name, getattr(args, "cuda_device", 0))
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads or physical_cores())
         verify_device(backend.device)
     except StartupError as exc:
         report_failure(program, str(exc))
@@ -149,7 +156,10 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
     def progress(done: int, total: int) -> None:
         state.loading_progress = done / total
 
-    loaded = load_model(model_path, backend.device, dtype, progress=progress)
+    # The int8 kernels are the cpu worker's; the accelerate worker's point is Accelerate's BLAS
+    # on dense weights, and the CUDA worker dequantizes to its compute dtype.
+    keep_quantized = backend.name == "cpu" and not args.dequantize and quantized_kernels_available()
+    loaded = load_model(model_path, backend.device, dtype, progress=progress, keep_quantized=keep_quantized)
     ctx_size = args.ctx_size or loaded.config.context_length
     if not 0 < ctx_size <= loaded.config.context_length:
         raise StartupError(f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)")
@@ -172,7 +182,18 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
     state.attach(engine, loaded.name, loaded.model_id, chat_template)
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),
                                     "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                                    "weights": "int8 blocks" if keep_quantized else "dense",
                                     "kv_pool_tokens": runner.tokens_per_pool, "kv_pool_bytes": runner.kv_bytes})
+
+
+def quantized_kernels_available() -> bool:
+    """Whether the int8 kernels build here; without them GGUF weights are dequantized, and the log says why."""
+    try:
+        kernel_library()
+    except KernelUnavailable as exc:
+        log.warning("int8 kernels unavailable, GGUF weights will be dequantized", extra={"reason": str(exc)})
+        return False
+    return True
 
 
 def kv_cache_budget(megabytes: int | None, device: torch.device) -> int:

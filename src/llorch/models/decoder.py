@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from llorch.models.config import ModelConfig
 from llorch.models.paged import LayerKV, StepBatch
+from llorch.models.quantized import Q8Embedding, Q8Linear
 
 FEW_ROWS = 32  # up to this many rows, the vocabulary projection uses the weight-major matmul
 
@@ -54,6 +55,28 @@ def rope_cos_sin(
     return angles.cos(), angles.sin()
 
 
+def concat_linears(parts: list[nn.Module]) -> nn.Module:
+    """One layer whose output is the parts' outputs side by side.
+
+    On the meta device (a skeleton for a state dict saved already fused) nothing is
+    concatenated: meta ops would pull in a second of lazy imports for no data.
+    """
+    if all(isinstance(p, Q8Linear) for p in parts):
+        return Q8Linear.concat(parts)
+    if not all(isinstance(p, nn.Linear) for p in parts):
+        raise TypeError("only layers of one kind can be fused")
+    has_bias = [p.bias is not None for p in parts]
+    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=any(has_bias),
+                      device="meta")
+    if parts[0].weight.is_meta:
+        return fused
+    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if any(has_bias):
+        fused.bias = nn.Parameter(torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                                             for p in parts]), requires_grad=False)
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, sliding: bool) -> None:
         super().__init__()
@@ -78,14 +101,24 @@ class Attention(nn.Module):
                 factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
         self.freq_factors: Tensor | None
         self.register_buffer("freq_factors", factors, persistent=False)
+        self.qkv_sizes = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one matmul, once fuse_projections ran
+
+    def fuse_projections(self) -> None:
+        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: Tensor, batch: StepBatch, cache: LayerKV) -> Tensor:
         """Attention output for the step's N rows `x` [N, hidden], writing their keys and values to `cache`."""
         cfg = self.config
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(rows, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(rows, cfg.num_kv_heads, cfg.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(rows, cfg.num_heads, cfg.head_dim)
+        k = k.view(rows, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(rows, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = batch.rope((self.rope_theta, self.rope_scaling, id(self.freq_factors)), lambda: rope_cos_sin(
@@ -128,9 +161,18 @@ class MLP(nn.Module):
             self.act = F.silu
         else:
             raise ValueError(f"unknown activation {config.activation!r}")
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one matmul, once fuse_projections ran
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -159,14 +201,35 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Weights are always assigned by the loader; skipping the random init also spares a
+        # one-second lazy import that normal_ on the meta device triggers.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def output_weight(self) -> Tensor:
-        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+    def fuse_projections(self) -> None:
+        """Run q/k/v and gate/up as one matmul each: fewer, larger matmuls per step.
+
+        Called once the weights are loaded; state-dict names change (qkv_proj, gate_up_proj).
+        """
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    def project_vocab(self, hidden: Tensor) -> Tensor:
+        """Logits of the final hidden rows: the single most expensive matmul of a decode step."""
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if isinstance(head, Q8Embedding):
+            return head.project(hidden)
+        if isinstance(head, Q8Linear):
+            return head(hidden)
+        # One row per sampling job: CPU BLAS runs the [vocab, hidden] x [hidden, rows] form
+        # up to 3x faster than rows x weight^T for 2-16 rows, and no slower for one.
+        weight = head.weight
+        return (weight @ hidden.T).T if hidden.shape[0] <= FEW_ROWS else F.linear(hidden, weight)
 
     def forward(self, input_ids: Tensor, batch: StepBatch, cache: list[LayerKV]) -> Tensor:
         """Logits [R, vocab] for the step's `logit_rows` (every row when None), feeding `input_ids` [N].
@@ -182,11 +245,7 @@ class Decoder(nn.Module):
             x = layer(x, batch, layer_cache)
         if batch.logit_rows is not None:
             x = x[batch.logit_rows]
-        hidden = self.norm(x)
-        weight = self.output_weight()
-        # One row per sampling job: CPU BLAS runs the [vocab, hidden] x [hidden, rows] form
-        # up to 3x faster than rows x weight^T for 2-16 rows, and no slower for one.
-        logits = (weight @ hidden.T).T if hidden.shape[0] <= FEW_ROWS else F.linear(hidden, weight)
+        logits = self.project_vocab(self.norm(x))
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

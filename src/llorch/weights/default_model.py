@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from llorch.cache import cache_dir
 from llorch.errors import StartupError
-from llorch.weights.tokenizer import cache_dir
+from llorch.weights.converted import remember_digest
 
 
 def default_model_path() -> Path:
@@ -18,6 +19,8 @@ def default_model_path() -> Path:
         ) from exc
     target = cache_dir() / "models" / package.MODEL_NAME
     try:
-        return Path(package.assemble(target))
+        path = Path(package.assemble(target))
     except (OSError, ValueError) as exc:
         raise StartupError(f"{target}: cannot assemble the default model ({exc})") from exc
+    remember_digest(path, package.EXPECTED_SHA256)  # assemble() checked it: no second hash
+    return path

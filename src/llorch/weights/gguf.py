@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from llorch.errors import ModelFileError
+from llorch.kernels.q8 import QBLOCK, quantize_blocks
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -204,6 +205,40 @@ class GGUFFile:
             values = torch.from_numpy(gguf_dequantize(raw, info.qtype))
         return values.reshape(info.shape)
 
+    def is_block_quantized(self, name: str) -> bool:
+        return self.tensors[name].qtype not in _DENSE_TYPES
+
+    def q8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A 2-D block-quantized tensor as int8 values [rows, k] and float32 scales [rows, k/32].
+
+        Types whose blocks are 32 values times one f16 scale (Q8_0, Q4_0, Q5_0) convert
+        exactly; the rest are requantized block by block (see llorch.kernels.q8).
+        """
+        info = self.tensors[name]
+        if len(info.shape) != 2 or not self.is_block_quantized(name):
+            raise ValueError(f"{name} is not a 2-D block-quantized tensor")
+        if info.qtype == GGMLQuantizationType.Q8_0:
+            blocks = torch.from_numpy(np.array(self.raw(name))).reshape(-1, _Q8_0_BYTES)
+            scales = blocks[:, :2].contiguous().view(torch.float16).float()
+            values = blocks[:, 2:].contiguous().view(torch.int8)
+            return values.reshape(info.shape), scales.reshape(info.shape[0], -1)
+        weight = self.dequantize(name)
+        if info.qtype in _SCALED_BLOCK_TYPES:
+            # Each block is d * small integers: dividing by d recovers them exactly.
+            block_bytes = GGML_QUANT_SIZES[info.qtype][1]
+            d = np.array(self.raw(name)).reshape(-1, block_bytes)[:, :2].copy().view(np.float16)
+            scales = torch.from_numpy(d.astype(np.float32)).reshape(info.shape[0], -1)
+            blocks = weight.reshape(info.shape[0], -1, QBLOCK)
+            safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+            values = torch.round(blocks / safe[..., None]).to(torch.int8)
+            return values.reshape(info.shape), scales
+        return quantize_blocks(weight)
+
+
+_Q8_0_BYTES = 34
+_DENSE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+_SCALED_BLOCK_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
+
 
 def _dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
     """Q8_0 in torch: blocks of one f16 scale and 32 int8 values.
@@ -211,7 +246,7 @@ def _dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
     gguf's numpy version takes ~3 s for the default model's 262k x 640 embedding;
     this takes a fraction of that, and a test checks it against gguf's.
     """
-    blocks = torch.from_numpy(np.array(raw)).reshape(-1, 34)
+    blocks = torch.from_numpy(np.array(raw)).reshape(-1, _Q8_0_BYTES)
     scales = blocks[:, :2].contiguous().view(torch.float16).float()
     quants = blocks[:, 2:].contiguous().view(torch.int8).float()
     return (quants * scales).reshape(raw.shape[0], -1)

@@ -19,6 +19,7 @@ import torch
 
 from llorch.errors import ModelFileError
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from llorch.models.quantized import SCALES_SUFFIX
 from llorch.weights.gguf import GGUFFile
 
 # Gemma 3 conventions llama.cpp hard-codes instead of storing: every sixth layer is
@@ -70,6 +71,11 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     heads = int(need("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     layers = int(need("block_count"))
+    blocks = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
+    if blocks != {str(i) for i in range(layers)}:
+        # Checked before anything is sized by it: a corrupt count must not build a huge config.
+        raise ModelFileError(gguf.path, f"block_count is {layers} but the file holds tensors for "
+                             f"{len(blocks)} blocks")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ModelFileError(gguf.path, "tensor token_embd.weight is missing")
@@ -215,19 +221,35 @@ def state_dict_from_gguf(
     config: ModelConfig,
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
+    keep_quantized: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Dequantized tensors under our names, in `dtype` (norms stay float32)."""
+    """Our state dict, in `dtype` (norms stay float32).
+
+    With `keep_quantized`, block-quantized matrices stay int8 blocks: "<name>.weight"
+    holds int8 values and "<name>.weight_scales" the block scales (see models.quantized);
+    otherwise every tensor is dequantized.
+    """
     state: dict[str, torch.Tensor] = {}
     plan = list(gguf_tensor_plan(config, gguf.tensors))
     for done, (gguf_name, split) in enumerate(plan, start=1):
         if gguf_name not in gguf.tensors:
             raise ModelFileError(gguf.path, f"tensor {gguf_name} is missing")
         try:
-            parts = split(gguf.dequantize(gguf_name))
+            if keep_quantized and _quantizable(gguf, gguf_name):
+                values, scales = gguf.q8_blocks(gguf_name)
+                # The splits only select and reorder rows, so they apply to values and scales alike.
+                state.update(split(values))
+                state.update({f"{ours}{SCALES_SUFFIX}": part for ours, part in split(scales).items()})
+            else:
+                for ours, tensor in split(gguf.dequantize(gguf_name)).items():
+                    state[ours] = compute_tensor(ours, tensor, dtype)
         except (ValueError, RuntimeError) as exc:  # a fused tensor of the wrong size
             raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
-        for ours, tensor in parts.items():
-            state[ours] = compute_tensor(ours, tensor, dtype)
         if progress is not None:
             progress(done, len(plan))
     return state
+
+
+def _quantizable(gguf: GGUFFile, name: str) -> bool:
+    """Matrices stored in a block type (norms, biases and float tensors stay dense)."""
+    return name.endswith(".weight") and len(gguf.tensors[name].shape) == 2 and gguf.is_block_quantized(name)

@@ -15,6 +15,8 @@ from tqdm import tqdm
 from llorch.errors import ModelFileError
 from llorch.models.config import ModelConfig
 from llorch.models.decoder import Decoder
+from llorch.models.quantized import swap_quantized
+from llorch.weights.converted import ConversionCache, ConvertedMeta
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.gguf_model import config_from_gguf, state_dict_from_gguf
 from llorch.weights.hf_model import (
@@ -53,8 +55,24 @@ class ModelSource:
     config: ModelConfig
     tokenizer: Tokenizer
     chat_template: str | None
-    # (dtype, progress) -> our state dict; reads and converts the weights.
-    read_weights: Callable[[torch.dtype, Callable[[int, int], None]], dict[str, torch.Tensor]]
+    # (dtype, progress, keep_quantized) -> our state dict; reads and converts the weights.
+    read_weights: Callable[[torch.dtype, Callable[[int, int], None], bool], dict[str, torch.Tensor]]
+    cache: ConversionCache | None = None  # where converted GGUF artifacts are kept
+    fresh_meta: ConvertedMeta | None = None  # converted now: cached once the weights load too
+
+
+def _cached_decoder(path: Path, source: ModelSource, dtype: torch.dtype) -> tuple[Decoder | None, bool]:
+    """The decoder from cached int8 weights, or (None, False) when there are none that fit."""
+    if source.cache is None or source.fresh_meta is not None:
+        return None, False
+    state = source.cache.read_q8_weights(dtype)
+    if state is None:
+        return None, False
+    try:
+        return _build_decoder(path, source.config, state, dtype), True
+    except ModelFileError as exc:  # a cache entry that does not fit its config is rebuilt
+        log.warning("ignoring cached weights", extra={"path": str(source.cache.directory), "reason": exc.problem})
+        return None, False
 
 
 def load_model(
@@ -62,10 +80,13 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
+    keep_quantized: bool = False,
 ) -> LoadedModel:
     """Config, tokenizer and weights from a GGUF file or a Hugging Face directory.
 
-    `progress(done, total)` follows the weights.
+    `progress(done, total)` follows the weights. With `keep_quantized` (CPU only), GGUF
+    block-quantized matrices stay int8 blocks computed by the C kernels; otherwise all
+    weights are dequantized to `dtype`.
     """
     path = Path(path)
     if not path.exists():
@@ -75,6 +96,7 @@ def load_model(
                              "use GGUF or safetensors")
 
     started = time.perf_counter()
+    keep_quantized = keep_quantized and device.type == "cpu"
     source = _hf_source(path) if path.is_dir() else _gguf_source(path)
     log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
@@ -87,17 +109,32 @@ def load_model(
             if progress is not None:
                 progress(done, total)
 
-        state = source.read_weights(dtype, advance)
-    model = _build_decoder(path, source.config, state).to(device).eval().requires_grad_(False)
-    log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3)})
+        model, from_cache = _cached_decoder(path, source, dtype) if keep_quantized else (None, False)
+        if model is None:
+            model = _build_decoder(path, source.config, source.read_weights(dtype, advance, keep_quantized), dtype)
+    model = model.to(device).eval().requires_grad_(False)
+    if source.cache is not None:  # only a file that loaded completely is remembered
+        if source.fresh_meta is not None:
+            source.cache.write_meta(source.fresh_meta)
+        if keep_quantized and not from_cache:
+            source.cache.write_q8_weights(dtype, model.state_dict())
+    log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3),
+                                     "cached": from_cache})
     return LoadedModel(name=source.name, path=path, config=source.config, model=model, tokenizer=source.tokenizer,
                        dtype=dtype, chat_template=source.chat_template)
 
 
-def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tensor]) -> Decoder:
-    """The decoder with `state` as its weights, after checking every name and shape against the config."""
+def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
+    """The decoder with `state` as its weights, after checking every name and shape against the config.
+
+    Int8 weights in `state` are quantized blocks: their layers become the quantized modules.
+    """
+    fused = any(".qkv_proj." in name for name in state)  # a cached state dict is saved as loaded: fused
     with torch.device("meta"):
         model = Decoder(config)
+        if fused:
+            model.fuse_projections()
+        swap_quantized(model, [name for name, tensor in state.items() if tensor.dtype == torch.int8], dtype)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     for name, shape in expected.items():
         if name not in state:
@@ -111,11 +148,38 @@ def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tenso
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
         raise ModelFileError(path, f"has weight {unexpected[0]}{more}, which the config does not describe")
     model.load_state_dict(state, assign=True, strict=True)
+    if not fused:
+        model.fuse_projections()
     return model
 
 
 def _gguf_source(path: Path) -> ModelSource:
-    gguf = GGUFFile(path)
+    """The file's metadata, from the conversion cache when this file was converted before."""
+    cache = ConversionCache(path)
+    meta = cache.read_meta()
+    opened: list[GGUFFile] = []
+
+    def gguf() -> GGUFFile:  # parsed only when something is not cached
+        if not opened:
+            opened.append(GGUFFile(path))
+        return opened[0]
+
+    fresh = None
+    if meta is None:
+        meta = fresh = _convert_gguf_meta(path, gguf())
+    return ModelSource(
+        name=meta.name,
+        config=meta.config,
+        tokenizer=meta.tokenizer,
+        chat_template=meta.chat_template,
+        read_weights=lambda dtype, progress, quantized: state_dict_from_gguf(
+            gguf(), meta.config, dtype, progress, quantized),
+        cache=cache,
+        fresh_meta=fresh,
+    )
+
+
+def _convert_gguf_meta(path: Path, gguf: GGUFFile) -> ConvertedMeta:
     try:  # metadata of the wrong type or shape is a broken file, not a crash
         config = config_from_gguf(gguf)
         tokenizer = tokenizer_from_gguf(gguf.metadata, path)
@@ -124,13 +188,8 @@ def _gguf_source(path: Path) -> ModelSource:
     except Exception as exc:
         raise ModelFileError(path, f"invalid model metadata ({type(exc).__name__}: {exc})") from exc
     template = gguf.metadata.get("tokenizer.chat_template")
-    return ModelSource(
-        name=str(gguf.metadata.get("general.name") or path.stem),
-        config=config,
-        tokenizer=tokenizer,
-        chat_template=str(template) if template else None,
-        read_weights=lambda dtype, progress: state_dict_from_gguf(gguf, config, dtype, progress),
-    )
+    return ConvertedMeta(name=str(gguf.metadata.get("general.name") or path.stem), config=config,
+                         chat_template=str(template) if template else None, tokenizer=tokenizer)
 
 
 def _hf_source(path: Path) -> ModelSource:
@@ -143,7 +202,8 @@ def _hf_source(path: Path) -> ModelSource:
         config=config,
         tokenizer=tokenizer,
         chat_template=hf_chat_template(path),
-        read_weights=lambda dtype, progress: hf_state_dict(checkpoint, config, dtype, progress),
+        # Safetensors checkpoints hold dense weights; they are used as they are.
+        read_weights=lambda dtype, progress, _quantized: hf_state_dict(checkpoint, config, dtype, progress),
     )
 
 

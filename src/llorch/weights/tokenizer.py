@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
+from llorch.cache import cache_dir
 from llorch.errors import ModelFileError
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
@@ -57,11 +58,6 @@ _NFC_PRE_TOKENIZERS = {"qwen2", "deepseek-r1-qwen"}
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 TOKEN_BYTE = 6
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("LLORCH_CACHE_DIR") or Path.home() / ".cache" / "llorch"
-    return Path(root)
 
 
 @dataclass
