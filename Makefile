@@ -22,6 +22,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install --quiet -e ".[test]"
 	touch $@
 
+$(VENV)/.installed-bench: $(VENV)/.installed-test
+	$(PIP) install --quiet -e ".[test,bench]"
+	touch $@
+
 setup: $(VENV)/.installed
 
 test-setup: $(VENV)/.installed-test
@@ -36,8 +40,8 @@ test: test-setup
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: test-setup
-	$(PY) bench/decode.py $(ARGS)
+bench: $(VENV)/.installed-bench
+	$(PY) bench/speed.py $(ARGS)
 
 bench-concurrency: test-setup
 	$(PY) bench/concurrency.py $(ARGS)
