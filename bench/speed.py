@@ -96,8 +96,8 @@ def llama_cpp_engine(model: Path, threads: int, device: str) -> Any:
 
 
 def bench_llama_cpp(llm: Any, ids: list[int]) -> dict[str, float]:
-    def next_token() -> int:
-        return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    def next_token() -> int:  # argmax of the last evaluated token's logits, as ours is
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
     def prefill() -> int:
         llm.reset()
@@ -193,7 +193,8 @@ def llorch_server(args: argparse.Namespace, prompt: str, extra: list[str]) -> di
     port = free_port()
     program = "llorch-cuda-worker" if args.device == "cuda" else "llorch-cpu-worker"
     command = [str(Path(sys.executable).parent / program), "--port", str(port), "--threads", str(args.threads),
-               "--max-running", "1", "--ctx-size", str(SERVER_CONTEXT), "--log-level", "warning", *extra]
+               "--max-running", "1", "--ctx-size", str(SERVER_CONTEXT), "--log-level", "warning",
+               "--no-prefix-cache", *extra]  # every rep reads its whole prompt, as llama-server's do
     runs, starts = bench_server(command, f"http://127.0.0.1:{port}", lambda r: r.json().get("status") == "healthy",
                                 stream_llorch, prompt, args.reps)
     return {**summarize(runs), "start_to_ready_s": summarize([{"s": s} for s in starts])["s"]}

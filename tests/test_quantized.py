@@ -213,3 +213,16 @@ def test_the_cpu_worker_serves_int8_blocks_and_dequantize_gives_float_weights(wo
     finally:
         stop_worker(dense)
     assert quantized_bytes < 1_000_000_000
+
+
+def test_the_c_rms_norm_matches_the_torch_one() -> None:
+    from llorch.kernels.norm import rms_norm
+    from llorch.models.decoder import RMSNorm
+
+    norm = RMSNorm(256, 1e-6)
+    norm.weight.data = torch.rand(256) + 0.5
+    x = torch.randn(3, 4, 256) * 10
+    expected = norm(x)
+    norm.native = True
+    assert torch.allclose(norm(x), expected, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(rms_norm(x[:, 1], norm.weight.data, 1e-6), expected[:, 1], rtol=1e-5, atol=1e-6)

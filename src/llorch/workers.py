@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -178,12 +180,24 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
                     telemetry=state.telemetry, request_timeout=args.request_timeout,
                     max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue,
                     max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_cache)
+    release_freed_memory()
     engine.start()
     state.attach(engine, loaded.name, loaded.model_id, chat_template)
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),
                                     "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
                                     "weights": "int8 blocks" if keep_quantized else "dense",
                                     "kv_pool_tokens": runner.tokens_per_pool, "kv_pool_bytes": runner.kv_bytes})
+
+
+def release_freed_memory() -> None:
+    """Hand the allocator's free pages back to the system once loading is done.
+
+    Parsing a large tokenizer.json (a 262k vocabulary) leaves ~200 MB of freed
+    parser memory that glibc keeps for reuse; nothing reuses it, yet it counts as
+    the worker's resident memory. Trimming takes milliseconds.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim this way
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def quantized_kernels_available() -> bool:

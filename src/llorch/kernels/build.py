@@ -3,7 +3,7 @@
 Why our own C instead of a torch op: torch's CPU int8 weight-only matmul needs bf16
 activations and runs far below memory bandwidth on AVX2, and its int8 GEMM is slower
 than float32. Decode speed is bounded by reading the weights once per token, so the
-kernel that reads them must run at bandwidth (see q8.c).
+kernel that reads them must run at bandwidth (see cpu_kernels.c).
 
 The library is built with the machine's C compiler (`CC`, default `cc`) for this CPU
 (-march=native) and cached under the llorch cache directory, keyed by the source,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from llorch.cache import cache_dir
 
-SOURCE = Path(__file__).with_name("q8.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 
 class KernelUnavailable(RuntimeError):
@@ -76,7 +76,7 @@ def build_library() -> Path:
         b"\0".join([SOURCE.read_bytes(), _compiler_version(compiler).encode(), " ".join(flags).encode(),
                     _cpu_identity().encode()])
     ).hexdigest()[:20]
-    target = cache_dir() / "kernels" / f"q8-{key}.so"
+    target = cache_dir() / "kernels" / f"cpu-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +97,7 @@ _SIGNATURES = {
     "llorch_q8_matmul": [_P, _I64, _P, _P, _I64, _I64, _P, _INT],
     "llorch_q8_gather": [_P, _P, _I64, _P, _I64, _P],
     "llorch_q8_dequantize": [_P, _P, _I64, _I64, _P, _INT],
+    "llorch_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P],
 }
 
 

@@ -67,3 +67,4 @@ def matmul(x: Tensor, values: Tensor, scales: Tensor) -> Tensor:
     library().llorch_q8_matmul(_ptr(x), rows, _ptr(values), _ptr(scales), values.shape[0], cols, _ptr(out),
                                torch.get_num_threads())
     return out
+

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llorch.kernels.norm import rms_norm
 from llorch.models.config import ModelConfig
 from llorch.models.paged import LayerKV, StepBatch
 from llorch.models.quantized import Q8Embedding, Q8Linear
@@ -26,8 +27,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.native = False  # set by Decoder.use_cpu_kernels
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.native and x.dtype == torch.float32:
+            return rms_norm(x, self.weight, self.eps)
         # Normalize in float32 whatever the compute dtype, as the references do.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -133,8 +137,12 @@ class Attention(nn.Module):
         for group in batch.groups:
             view = group.window if self._windowed and group.window is not None else group.full
             # [batch, keys, kv_heads, head_dim] -> [batch, kv_heads, keys, head_dim]
-            keys = cache.keys[view.slots].transpose(1, 2)
-            values = cache.values[view.slots].transpose(1, 2)
+            if view.span is not None:  # consecutive slots: a view instead of a gathered copy
+                keys = cache.keys[view.span[0] : view.span[1]].unsqueeze(0).transpose(1, 2)
+                values = cache.values[view.span[0] : view.span[1]].unsqueeze(0).transpose(1, 2)
+            else:
+                keys = cache.keys[view.slots].transpose(1, 2)
+                values = cache.values[view.slots].transpose(1, 2)
             queries = q[group.start : group.start + group.rows].view(
                 group.batch, group.q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(
@@ -209,6 +217,12 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def use_cpu_kernels(self) -> None:
+        """Norms in one C call each (CPU, float32): at decode sizes torch's five ops cost more in dispatch."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = True
 
     def fuse_projections(self) -> None:
         """Run q/k/v and gate/up as one matmul each: fewer, larger matmuls per step.

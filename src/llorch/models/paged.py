@@ -52,10 +52,15 @@ class SegmentSpec:
 
 @dataclass(frozen=True)
 class KeyView:
-    """What a group's queries read: slot indices [batch, keys] and a mask [batch, 1, q_len, keys] (None: all)."""
+    """What a group's queries read: slot indices [batch, keys] and a mask [batch, 1, q_len, keys] (None: all).
+
+    `span` (first slot, end slot) is set when one sequence's keys lie in consecutive
+    slots, as a lone stream's usually do: they are then read as a view, not gathered.
+    """
 
     slots: Tensor
     mask: Tensor | None
+    span: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,10 @@ def _key_view(members: list[SegmentSpec], window: int | None, device: torch.devi
     if window is not None:
         allowed &= delta < window
     mask = None if allowed.all() else torch.from_numpy(allowed[:, None]).to(device)
-    return KeyView(torch.from_numpy(slots).to(device), mask)
+    span = None
+    if len(members) == 1 and ends[0] - firsts[0] == width and np.array_equal(slots[0], slots[0, 0] + np.arange(width)):
+        span = (int(slots[0, 0]), int(slots[0, 0]) + width)
+    return KeyView(torch.from_numpy(slots).to(device), mask, span)
 
 
 def contiguous_step(config: ModelConfig, start: int, length: int, device: torch.device,

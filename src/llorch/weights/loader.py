@@ -113,6 +113,8 @@ def load_model(
         if model is None:
             model = _build_decoder(path, source.config, source.read_weights(dtype, advance, keep_quantized), dtype)
     model = model.to(device).eval().requires_grad_(False)
+    if keep_quantized:  # the C kernels are built and loaded: the norms use them too
+        model.use_cpu_kernels()
     if source.cache is not None:  # only a file that loaded completely is remembered
         if source.fresh_meta is not None:
             source.cache.write_meta(source.fresh_meta)

@@ -1,4 +1,4 @@
-/* Int8 block-quantized matrix kernels for decoding on the CPU.
+/* CPU kernels for decoding: int8 block-quantized matrices, and RMSNorm.
  *
  * A weight matrix [n, k] is stored as int8 values [n, k] plus one float scale per
  * 32-value block [n, k/32]. Decoding multiplies it by a few rows of activations,
@@ -138,4 +138,16 @@ void llorch_q8_dequantize(const int8_t *w, const float *ws, int64_t n, int64_t k
         }
     }
     (void)threads;
+}
+
+/* RMSNorm of `rows` contiguous rows of `dim` floats: x * w / sqrt(mean(x^2) + eps).
+ * One call instead of five tensor ops: at decode sizes their dispatch is the cost. */
+void llorch_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * dim;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < dim; i++) squares += row[i] * row[i];
+        const float inverse = 1.0f / sqrtf(squares / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) out[r * dim + i] = row[i] * inverse * w[i];
+    }
 }
