@@ -162,6 +162,7 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
     # on dense weights, and the CUDA worker dequantizes to its compute dtype.
     keep_quantized = backend.name == "cpu" and not args.dequantize and quantized_kernels_available()
     loaded = load_model(model_path, backend.device, dtype, progress=progress, keep_quantized=keep_quantized)
+    release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
     ctx_size = args.ctx_size or loaded.config.context_length
     if not 0 < ctx_size <= loaded.config.context_length:
         raise StartupError(f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)")
@@ -180,7 +181,6 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
                     telemetry=state.telemetry, request_timeout=args.request_timeout,
                     max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue,
                     max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_cache)
-    release_freed_memory()
     engine.start()
     state.attach(engine, loaded.name, loaded.model_id, chat_template)
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),
