@@ -61,9 +61,10 @@ class SoakReport:
                 and self.kv_bytes_after == 0 and not self.problems)
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (VmRSS), or its peak so far with field="VmHWM"."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 

@@ -39,6 +39,7 @@ from llorch.engine.runner import BLOCK_SIZE, ModelRunner, Segment
 from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
+from soak import rss_mb
 
 PROMPT_TOKENS = 512
 DECODE_TOKENS = 128
@@ -130,13 +131,6 @@ def bench_transformers(model: Path, ids: list[int], device: str) -> dict[str, fl
 
 
 # -- servers -------------------------------------------------------------------------------------
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def stream_llorch(http: httpx.Client, prompt: str) -> list[float]:
     """Arrival times of each streamed token of one greedy job."""
     body = {"job_id": f"speed-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": DECODE_TOKENS,
@@ -182,7 +176,7 @@ def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response],
             first, tokens = arrivals[1] - arrivals[0], len(arrivals) - 1
             runs.append({"prefill_tok_s": PROMPT_TOKENS / first, "ttft_s": first,
                          "decode_tok_s": (tokens - 1) / (arrivals[-1] - arrivals[1]),
-                         "peak_rss_mb": peak_rss_mb(process.pid)})
+                         "peak_rss_mb": rss_mb(process.pid, "VmHWM")})
         finally:
             process.terminate()
             process.wait(30)

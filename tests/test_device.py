@@ -114,7 +114,7 @@ HYPERTHREADED = "\n\n".join(
 
 @pytest.mark.cpu
 def test_threads_default_to_physical_cores_not_hyperthreads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device, "_cpuinfo", lambda: HYPERTHREADED)
+    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED)
     monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
     assert device.physical_cores() == 4
     monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: {0, 4}, raising=False)  # one core's two threads
@@ -124,8 +124,8 @@ def test_threads_default_to_physical_cores_not_hyperthreads(monkeypatch: pytest.
 @pytest.mark.cpu
 def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setattr(device, "_cpuinfo", lambda: HYPERTHREADED)
+    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED)
     assert resolve_dtype("auto", cpu) == torch.bfloat16
-    monkeypatch.setattr(device, "_cpuinfo", lambda: HYPERTHREADED.replace(" avx512f avx512_bf16", ""))
+    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED.replace(" avx512f avx512_bf16", ""))
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16  # an explicit choice is kept

@@ -15,6 +15,7 @@ import torch
 
 from conftest import Worker, all_logits, greedy_ids, start_worker, stop_worker
 from llorch.kernels import build, q8
+from llorch.models.decoder import concat_linears
 from llorch.models.quantized import Q8Embedding, Q8Linear
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
@@ -88,7 +89,7 @@ def test_fused_layers_compute_their_parts_side_by_side() -> None:
         layer.bias = torch.nn.Parameter(torch.randn(rows), requires_grad=False)
         parts.append(layer)
     x = torch.randn(2, 128)
-    assert torch.equal(Q8Linear.concat(parts)(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert torch.equal(concat_linears(parts)(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
 def test_a_missing_compiler_is_reported_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

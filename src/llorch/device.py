@@ -55,7 +55,8 @@ def resolve_backend(name: str, cuda_index: int = 0) -> Backend:
     raise ValueError(f"unknown backend {name!r}")
 
 
-def _cpuinfo() -> str:
+def cpuinfo() -> str:
+    """/proc/cpuinfo, or nothing off Linux."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
             return handle.read()
@@ -68,7 +69,7 @@ def physical_cores() -> int:
     units, so a thread per core is what matmul-bound work wants)."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     cores: set[tuple[str, str]] = set()
-    for block in _cpuinfo().split("\n\n"):
+    for block in cpuinfo().split("\n\n"):
         fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
         fields = {key.strip(): value.strip() for key, value in fields.items()}
         if "processor" in fields and int(fields["processor"]) in allowed:
@@ -78,7 +79,7 @@ def physical_cores() -> int:
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls in hardware instead of emulated."""
-    for line in _cpuinfo().splitlines():
+    for line in cpuinfo().splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             return bool(flags & {"avx512_bf16", "amx_bf16"})

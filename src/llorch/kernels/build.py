@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from llorch.cache import cache_dir
+from llorch.device import cpuinfo
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
@@ -46,12 +47,8 @@ def _compiler_flags() -> list[str]:
 
 def _cpu_identity() -> str:
     """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() + platform.machine()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines)))
+    lines = {line for line in cpuinfo().splitlines() if line.startswith(("model name", "flags", "Features"))}
+    return "\n".join(sorted(lines)) or platform.processor() + platform.machine()
 
 
 def _compiler() -> str:

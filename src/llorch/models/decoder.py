@@ -60,24 +60,30 @@ def rope_cos_sin(
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module:
-    """One layer whose output is the parts' outputs side by side.
+    """One layer (Linear or Q8Linear) whose output is the parts' outputs side by side.
 
-    On the meta device (a skeleton for a state dict saved already fused) nothing is
-    concatenated: meta ops would pull in a second of lazy imports for no data.
+    Every state-dict entry (weight, block scales, bias) is concatenated along the
+    output rows; a part without a bias contributes zeros. On the meta device (a
+    skeleton for a state dict saved already fused) nothing is concatenated: meta ops
+    would pull in a second of lazy imports for no data.
     """
-    if all(isinstance(p, Q8Linear) for p in parts):
-        return Q8Linear.concat(parts)
-    if not all(isinstance(p, nn.Linear) for p in parts):
+    first = parts[0]
+    if not all(type(p) is type(first) for p in parts) or not isinstance(first, nn.Linear | Q8Linear):
         raise TypeError("only layers of one kind can be fused")
-    has_bias = [p.bias is not None for p in parts]
-    fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=any(has_bias),
-                      device="meta")
-    if parts[0].weight.is_meta:
+    rows, bias = sum(p.out_features for p in parts), any(p.bias is not None for p in parts)
+    with torch.device("meta"):
+        fused = (Q8Linear(first.in_features, rows, bias, first.dtype) if isinstance(first, Q8Linear)
+                 else nn.Linear(first.in_features, rows, bias=bias))
+    if first.weight.is_meta:
         return fused
-    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-    if any(has_bias):
-        fused.bias = nn.Parameter(torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
-                                             for p in parts]), requires_grad=False)
+    biases = [p.bias for p in parts if p.bias is not None]
+
+    def rows_of(part: nn.Module, name: str) -> Tensor:
+        tensor = part.state_dict().get(name)
+        return tensor if tensor is not None else biases[0].new_zeros(part.out_features)  # a part without bias
+
+    fused.load_state_dict({name: torch.cat([rows_of(p, name) for p in parts]) for name in fused.state_dict()},
+                          assign=True)
     return fused
 
 

@@ -26,22 +26,6 @@ class Q8Linear(nn.Module):
         self.register_buffer("weight" + SCALES_SUFFIX, torch.empty(out_features, in_features // q8.QBLOCK))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
-    @classmethod
-    def concat(cls, parts: list[Q8Linear]) -> Q8Linear:
-        """One layer whose output is the parts' outputs side by side."""
-        first = parts[0]
-        has_bias = any(p.bias is not None for p in parts)
-        with torch.device("meta"):
-            fused = cls(first.in_features, sum(p.out_features for p in parts), has_bias, first.dtype)
-        if first.weight.is_meta:  # a skeleton for a state dict saved already fused
-            return fused
-        fused.weight = torch.cat([p.weight for p in parts])
-        fused.weight_scales = torch.cat([p.weight_scales for p in parts])
-        if has_bias:
-            biases = [p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=first.dtype) for p in parts]
-            fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
-        return fused
-
     def forward(self, x: Tensor) -> Tensor:
         out = q8.matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scales).to(x.dtype)
         if self.bias is not None:
