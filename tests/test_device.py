@@ -122,10 +122,10 @@ def test_threads_default_to_physical_cores_not_hyperthreads(monkeypatch: pytest.
 
 
 @pytest.mark.cpu
-def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_dtype_is_float32_on_every_cpu_whatever_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED)
-    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED)  # avx512_bf16 present
+    assert resolve_dtype("auto", cpu) == torch.float32
     monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED.replace(" avx512f avx512_bf16", ""))
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16  # an explicit choice is kept

@@ -77,15 +77,6 @@ def physical_cores() -> int:
     return len(cores) or len(allowed) or 1
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls in hardware instead of emulated."""
-    for line in cpuinfo().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
-
-
 def torch_uses_accelerate() -> bool:
     """True when torch's build configuration names Accelerate as its BLAS."""
     for part in torch.__config__.show().replace("\n", ",").split(","):
