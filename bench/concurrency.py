@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -27,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from llama_server import ensure_llama_server  # bench/ is on the path: scripts run from it
+from launch import free_port, start_server  # bench/ is on the path: scripts run from it
+from llama_server import ensure_llama_server
 from llorch.weights.default_model import default_model_path
 from soak import rss_mb
 
@@ -130,32 +130,10 @@ def run_level(url: str, job: Callable[..., tuple[float, int]], clients: int, job
     return level
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start(command: list[str], url: str, ready: Callable[[httpx.Response], bool]
-          ) -> tuple[subprocess.Popen[bytes], float]:
-    began = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{command[0]} exited with {process.returncode}")
-        try:
-            if ready(httpx.get(f"{url}/health", timeout=1)):
-                return process, time.perf_counter() - began
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-
-
 def bench_server(name: str, command: list[str], url: str, ready: Callable[[httpx.Response], bool],
                  job: Callable[..., tuple[float, int]], args: argparse.Namespace) -> dict[str, object]:
-    process, start_s = start(command, url, ready)
+    server = start_server(command, url, ready)
+    process, start_s = server.process, server.start_to_ready_s
     peak = [rss_mb(process.pid)]
     sampling = threading.Event()
 

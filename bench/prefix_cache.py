@@ -16,11 +16,8 @@ import time
 
 import torch
 
-from llorch.engine.engine import Engine
+from llorch.engine.config import EngineConfig, build_engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams, TokenText
-from llorch.engine.runner import ModelRunner
-from llorch.weights.default_model import default_model_path
-from llorch.weights.loader import load_model
 
 SYSTEM_SENTENCE = ("You are a careful assistant for a travel agency; answer briefly, cite no sources, "
                    "and stay polite even when the user is not.")
@@ -29,17 +26,16 @@ QUESTIONS = ["What is the capital of Italy?", "Name a red fruit.", "What is 2 + 
 
 
 def measure(prefix_caching: bool, args: argparse.Namespace, system: str) -> dict[str, float]:
-    loaded = load_model(default_model_path(), torch.device("cpu"), torch.float32)
-    engine = Engine(ModelRunner(loaded.model, torch.device("cpu"), torch.float32, 256 * 2**20), loaded.tokenizer,
-                    loaded.name, ctx_size=4096, prefix_caching=prefix_caching)
+    engine = build_engine(EngineConfig(dtype="f32", ctx_size=4096, kv_cache_bytes=256 * 2**20,
+                                       prefix_caching=prefix_caching))
     engine.start()
     ttfts, prompt_tokens = [], 0
     try:
         for i in range(args.jobs):
             prompt = f"{system}\nUser: {QUESTIONS[i % len(QUESTIONS)]}\nAssistant:"
             request = GenerationRequest(f"job-{i}", prompt, 4, SamplingParams(temperature=0.0))
-            ids = engine.prepare(request)
-            prompt_tokens += len(ids)
+            job = engine.prepare(request)
+            prompt_tokens += len(job.prompt_ids)
             first = [0.0]
             done = [False]
 
@@ -49,11 +45,11 @@ def measure(prefix_caching: bool, args: argparse.Namespace, system: str) -> dict
                 done[0] = done[0] or event.terminal
 
             sent = time.perf_counter()
-            engine.submit(request, ids, emit)
+            engine.submit(job, emit)
             while not done[0]:
                 time.sleep(0.005)
             ttfts.append(first[0] - sent)
-        hits = engine.telemetry.prefix_cache_hit_tokens._value.get()
+        hits = engine.stats().prefix_cache_hit_tokens
     finally:
         engine.stop()
     return {"prompt_tokens": prompt_tokens, "computed": prompt_tokens - hits, "from_cache": hits,

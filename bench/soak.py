@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from launch import start_worker, stop
 
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -168,28 +168,16 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60)
     args = parser.parse_args()
-    process = None
+    server = None
     url, pid = args.url, args.pid
     if url is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        exe = Path(sys.executable).parent / "llorch-cpu-worker"
-        process = subprocess.Popen([str(exe), "--port", str(port)], stderr=subprocess.DEVNULL)
-        url, pid = f"http://127.0.0.1:{port}", process.pid
-        while True:
-            try:
-                if httpx.get(f"{url}/health").json()["status"] == "healthy":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        server = start_worker(None)
+        url, pid = server.base_url, server.process.pid
     try:
         report = soak(url, pid, args.clients, args.seconds)
     finally:
-        if process is not None:
-            process.terminate()
-            process.wait()
+        if server is not None:
+            stop(server)
     print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     sys.exit(0 if report.ok else 1)
 

@@ -34,8 +34,9 @@ import httpx
 import numpy as np
 import torch
 
-from concurrency import free_port, start
-from llorch.engine.runner import BLOCK_SIZE, ModelRunner, Segment
+from launch import free_port, start_server
+from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
+from llorch.engine.runner import ModelRunner, Segment
 from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
@@ -75,8 +76,8 @@ def timed_greedy(prefill: Callable[[], int], step: Callable[[int, int], int]) ->
 def bench_llorch(loaded: LoadedModel, ids: list[int], device: torch.device) -> dict[str, float]:
     tokens = PROMPT_TOKENS + DECODE_TOKENS + 1
     runner = ModelRunner(loaded.model, device, loaded.dtype, kv_cache_bytes=(tokens // BLOCK_SIZE + 3)
-                         * ModelRunner.bytes_per_block(loaded.config, loaded.dtype))
-    blocks = list(range(1, runner.num_blocks))
+                         * bytes_per_block(loaded.config, loaded.dtype))
+    blocks = list(range(1, runner.kv.num_blocks))
 
     def forward(segment: Segment) -> int:
         with torch.inference_mode():
@@ -162,12 +163,13 @@ def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response],
                  stream: Callable[[httpx.Client, str], list[float]], prompt: str, reps: int
                  ) -> tuple[list[dict[str, float]], list[float]]:
     """Per-rep streamed figures, and start-to-ready of each (re)start; peak RSS over the whole run."""
-    process, _ = start(command, url, ready)  # the first start fills caches: not a warm start
+    process = start_server(command, url, ready).process  # the first start fills caches: not a warm start
     process.terminate()
     process.wait(30)
     runs, starts = [], []
     for _ in range(reps):
-        process, seconds = start(command, url, ready)
+        server = start_server(command, url, ready)
+        process, seconds = server.process, server.start_to_ready_s
         starts.append(seconds)
         try:
             with httpx.Client(base_url=url, timeout=600) as http:

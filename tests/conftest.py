@@ -11,16 +11,12 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -29,11 +25,17 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from launch import Server as Worker
+from launch import free_port, start_worker, worker_command
+from launch import stop as stop_worker
 from llorch.device import resolve_backend
+from llorch.engine.kv.pool import allocate_kv
 from llorch.errors import BackendUnavailable
-from llorch.models.paged import LayerKV, allocate_kv, contiguous_step
+from llorch.models.paged import LayerKV, contiguous_step
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
+
+__all__ = ["Worker", "free_port", "start_worker", "stop_worker"]  # the shared launcher, for the test modules
 
 # The references load local files only; never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,7 +46,6 @@ if "LLORCH_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["LLORCH_CACHE_DIR"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER_START_TIMEOUT_S = 120
 
 
 def required_backends() -> set[str]:
@@ -101,67 +102,20 @@ def reference(model_path: Path) -> Reference:
     return Reference(model=model.eval(), tokenizer=tokenizer)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def run_worker_to_exit(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """A cpu worker run to its exit (for start-up failures), its output captured."""
+    return subprocess.run([*worker_command(), "--port", str(free_port()), *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
-@dataclass
-class Worker:
-    process: subprocess.Popen[str]
-    base_url: str
-    log_path: Path
-
-    def client(self, **kwargs: object) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=120, **kwargs)  # type: ignore[arg-type]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def worker_command(program: str) -> list[str]:
-    """The installed program, or (in a checkout used through PYTHONPATH) its entry point."""
-    script = Path(sys.executable).parent / program
-    if script.exists():
-        return [str(script)]
-    backend = program.removeprefix("llorch-").removesuffix("-worker")
-    entry = f"import sys; from llorch.workers import run_worker; sys.exit(run_worker({backend!r}))"
-    return [sys.executable, "-c", entry]
-
-
-def start_worker(tmp: Path, *extra: str, program: str = "llorch-cpu-worker") -> Worker:
-    port = free_port()
-    log_path = tmp / f"worker-{port}.log"
-    handle = log_path.open("w")
-    process = subprocess.Popen(
-        [*worker_command(program), "--port", str(port), "--log-format", "text", *extra],
-        stdout=handle, stderr=subprocess.STDOUT, text=True,
-    )
-    worker = Worker(process, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"worker exited with {process.returncode}:\n{worker.log()}")
-        try:
-            # /health answers while the model loads; the worker is ready when it says healthy.
-            if httpx.get(f"{worker.base_url}/health", timeout=1).json().get("status") == "healthy":
-                return worker
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop_worker(worker)
-    raise RuntimeError(f"worker did not become ready:\n{worker.log()}")
-
-
-def stop_worker(worker: Worker) -> None:
-    if worker.process.poll() is None:
-        worker.process.terminate()
-        try:
-            worker.process.wait(15)
-        except subprocess.TimeoutExpired:
-            worker.process.kill()
-            worker.process.wait()
+def assert_one_line_failure(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode != 0
+    # Progress is logged as JSON lines on stderr; the failure itself is the one plain line.
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("{")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
 
 
 @pytest.fixture(scope="session")

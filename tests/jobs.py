@@ -6,11 +6,9 @@ import dataclasses
 import threading
 from typing import Any
 
-import torch
-
+from llorch.engine.config import EngineConfig, build_engine
 from llorch.engine.engine import Engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams
-from llorch.engine.runner import ModelRunner
 from llorch.weights.loader import LoadedModel
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -42,21 +40,31 @@ class Job:
         return [e for e in self.events if e["type"] in ("end", "error")]
 
 
-def make_engine(loaded: LoadedModel, max_running: int = 4, request_timeout: float | None = None,
-                kv_cache_mb: float = 256, engine_options: dict[str, Any] | None = None,
-                **tokenizer_changes: Any) -> Engine:
-    runner = ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, kv_cache_bytes=int(kv_cache_mb * 2**20))
-    tokenizer = dataclasses.replace(loaded.tokenizer, **tokenizer_changes)
-    engine = Engine(runner, tokenizer, loaded.name, ctx_size=4096, max_running=max_running,
-                    request_timeout=request_timeout, **(engine_options or {}))
-    engine.start()
+def make_engine(loaded: LoadedModel, start: bool = True, **config: Any) -> Engine:
+    """An engine over an already loaded model (ctx_size 4096, 256 MB of KV pool unless `config` says)."""
+    settings = {"ctx_size": 4096, "kv_cache_bytes": 256 * 2**20, "max_running": 4, **config}
+    engine = build_engine(EngineConfig(**settings), loaded=loaded)
+    if start:
+        engine.start()
     return engine
+
+
+def with_tokenizer(loaded: LoadedModel, **changes: Any) -> LoadedModel:
+    """The same model with some of its tokenizer's fields changed (end-of-generation ids, say)."""
+    return dataclasses.replace(loaded, tokenizer=dataclasses.replace(loaded.tokenizer, **changes))
 
 
 def run(engine: Engine, job_id: str, prompt: str = PROMPT, max_tokens: int = 12,
         sampling: SamplingParams = GREEDY, stop: tuple[str, ...] = ()) -> Job:
     """Submit a job now; wait for it with `.wait()`."""
     job = Job()
-    request = GenerationRequest(job_id, prompt, max_tokens, sampling, stop)
-    engine.submit(request, engine.prepare(request), job.emit)
+    engine.submit(engine.prepare(GenerationRequest(job_id, prompt, max_tokens, sampling, stop)), job.emit)
     return job
+
+
+def steps_larger_than(engine: Engine, size: int) -> int:
+    """How many forward steps batched more than `size` jobs (from the batch-size histogram)."""
+    sample = engine.telemetry.registry.get_sample_value
+    total = sample("llorch_batch_size_count") or 0
+    at_most = sample("llorch_batch_size_bucket", {"le": f"{float(size)}"}) or 0
+    return int(total - at_most)

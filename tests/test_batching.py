@@ -25,10 +25,13 @@ import torch
 from fastapi.testclient import TestClient
 
 from conftest import Worker, start_worker, stop_worker
-from jobs import GREEDY, Job, make_engine, run
-from llorch.api.app import WorkerState, create_app
-from llorch.engine.engine import Engine, QueueFull
-from llorch.engine.kv_blocks import BlockPool
+from jobs import GREEDY, Job, make_engine, run, steps_larger_than
+from llorch.api.app import create_app
+from llorch.api.state import WorkerState
+from llorch.engine.engine import Engine
+from llorch.engine.errors import QueueFull
+from llorch.engine.kv.blocks import BlockPool
+from llorch.engine.kv.pool import bytes_per_block
 from llorch.engine.request import GenerationRequest, SamplingParams
 from llorch.engine.runner import ModelRunner, Segment
 from llorch.weights.default_model import default_model_path
@@ -66,20 +69,20 @@ def test_concurrent_greedy_jobs_equal_each_job_alone_in_f32(weights: str, reques
     ours: LoadedModel = request.getfixturevalue(weights)
     jobs = [(f"job-{i}", prompt, max_tokens) for i, (prompt, max_tokens) in enumerate(PROMPTS)]
     # A small prompt budget makes the long prompt arrive in chunks while others decode.
-    engine = make_engine(ours, max_running=8, engine_options={"max_batch_tokens": 64})
+    engine = make_engine(ours, max_running=8, max_batch_tokens=64)
     try:
         alone = [job.wait() and job for job in (run(engine, *spec) for spec in jobs)]
-        assert engine.largest_batch == 1
+        assert steps_larger_than(engine, 1) == 0
         together = submit_all(engine, jobs)
         for job in together:
             job.wait()
     finally:
         engine.stop()
-    assert engine.largest_batch == 8, "all eight jobs shared a forward step"
+    assert steps_larger_than(engine, 7) > 0 and steps_larger_than(engine, 8) == 0, "all eight shared a step"
     for spec, one, many in zip(jobs, alone, together, strict=True):
         assert many.events[-1] == one.events[-1] | {"decode_time_ms": many.events[-1]["decode_time_ms"]}, spec
         assert many.text == one.text, spec
-    assert engine.blocks.used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("weights, dtype, relative_tolerance", [
@@ -117,12 +120,12 @@ def test_prefix_cache_hits_are_exact(ours: LoadedModel) -> None:
     jobs = [(f"q{i}", system + q, 12) for i, q in enumerate(questions)]
     shared_blocks = len(ours.tokenizer.encode(system)) // 16
     assert shared_blocks >= 2
-    cached = make_engine(ours, engine_options={"prefix_caching": True})
-    uncached = make_engine(ours, engine_options={"prefix_caching": False})
+    cached = make_engine(ours, prefix_caching=True)
+    uncached = make_engine(ours, prefix_caching=False)
     try:
         plain = [job.wait() and job for job in (run(uncached, *spec) for spec in jobs)]
         sequential = [job.wait() and job for job in (run(cached, *spec) for spec in jobs)]
-        hits_after_sequential = cached.telemetry.prefix_cache_hit_tokens._value.get()
+        hits_after_sequential = cached.stats().prefix_cache_hit_tokens
         # The same prompts again, all at once and once more exactly (a full hit recomputes the last token).
         concurrent = submit_all(cached, [(f"again-{job_id}", prompt, n) for job_id, prompt, n in jobs])
         repeat = run(cached, "repeat", jobs[0][1], 12)
@@ -131,21 +134,20 @@ def test_prefix_cache_hits_are_exact(ours: LoadedModel) -> None:
     finally:
         cached.stop()
         uncached.stop()
-    assert uncached.telemetry.prefix_cache_hit_tokens._value.get() == 0
+    assert uncached.stats().prefix_cache_hit_tokens == 0
     assert hits_after_sequential >= 3 * shared_blocks * 16, "later jobs reused the system prompt's blocks"
     for one, two, three in zip(plain, sequential, concurrent, strict=True):
         assert one.text == two.text == three.text
     assert repeat.text == plain[0].text
-    assert cached.blocks.used_blocks == 0 and cached.blocks.cached_blocks > 0
+    assert cached.stats().kv_blocks_used == 0 and cached.stats().kv_blocks_cached > 0
 
 
 def test_bounded_stress_every_job_ends_once_and_the_pool_empties(tiny: LoadedModel) -> None:
     """A pool too small for everyone (preemption), a short queue (QueueFull), random cancels."""
     rng = random.Random(7)
     # 24 blocks of 16 tokens: six jobs of up to ~100 tokens cannot all fit at once.
-    block_bytes = ModelRunner.bytes_per_block(tiny.config, torch.float32)
-    engine = make_engine(tiny, max_running=6, kv_cache_mb=25 * block_bytes / 2**20,
-                         engine_options={"max_queue": 6, "max_batch_tokens": 32})
+    engine = make_engine(tiny, max_running=6, kv_cache_bytes=25 * bytes_per_block(tiny.config, torch.float32),
+                         max_queue=6, max_batch_tokens=32)
     words = ["the", "a", "of", "to", "is", "and", "in", "e", "t"]
     accepted: dict[str, Job] = {}
     rejected = 0
@@ -158,7 +160,7 @@ def test_bounded_stress_every_job_ends_once_and_the_pool_empties(tiny: LoadedMod
             request = GenerationRequest(f"s{i}", prompt, max_tokens, GREEDY)
             job = Job()
             try:
-                engine.submit(request, engine.prepare(request), job.emit)
+                engine.submit(engine.prepare(request), job.emit)
             except QueueFull:
                 rejected += 1
                 time.sleep(0.02)
@@ -169,7 +171,7 @@ def test_bounded_stress_every_job_ends_once_and_the_pool_empties(tiny: LoadedMod
                 threading.Timer(rng.uniform(0, 0.05), engine.cancel, (request.job_id,)).start()
         for job in accepted.values():
             job.wait(60)
-        assert engine.telemetry.preemptions._value.get() > 0, "the pool was small enough to preempt"
+        assert engine.stats().preemptions > 0, "the pool was small enough to preempt"
         # Jobs that ran to the end produced what they produce alone, preempted or not.
         for job_id, job in accepted.items():
             if job.events[-1].get("stop_reason") in ("MAX_TOKENS", "EOS"):
@@ -183,8 +185,8 @@ def test_bounded_stress_every_job_ends_once_and_the_pool_empties(tiny: LoadedMod
         assert len(job.terminal_events) == 1 and job.events[-1] is job.terminal_events[0], job_id
         assert job.events[0]["type"] == "started", job_id
     assert any(job.events[-1].get("stop_reason") == "CANCELLED" for job in accepted.values())
-    assert engine.blocks.used_blocks == 0
-    assert engine.jobs_in_flight == 0
+    assert engine.stats().kv_blocks_used == 0
+    assert engine.stats().jobs_in_flight == 0
 
 
 @pytest.fixture
@@ -233,20 +235,19 @@ def test_rope_positions_follow_the_block_table_not_the_slot(ours: LoadedModel) -
     """The same tokens in scattered blocks give the same logits as in consecutive ones."""
     runner = ModelRunner(ours.model, torch.device("cpu"), torch.float32, kv_cache_bytes=64 * 2**20)
     ids = ours.tokenizer.encode(PROMPTS[5][0])
-    blocks = runner.num_blocks
+    blocks = runner.kv.num_blocks
     scattered = list(np.random.default_rng(0).permutation(np.arange(1, blocks))[:8])
     first = runner.forward([Segment(ids, 0, list(range(1, 9)), True)])
     second = runner.forward([Segment(ids, 0, [int(b) for b in scattered], True)])
     assert (first - second).abs().max() < 1e-4
 
 
-def tiny_client(loaded: LoadedModel, kv_blocks: int, **engine_options: int) -> tuple[TestClient, Engine]:
+def tiny_client(loaded: LoadedModel, kv_blocks: int, **config: int) -> tuple[TestClient, Engine]:
     """The app over an engine whose loop is not started: submitted jobs stay queued."""
-    runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32,
-                         kv_cache_bytes=kv_blocks * ModelRunner.bytes_per_block(loaded.config, torch.float32))
-    engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size=4096, **engine_options)
+    engine = make_engine(loaded, start=False, kv_cache_bytes=kv_blocks * bytes_per_block(loaded.config, torch.float32),
+                         **config)
     state = WorkerState("cpu", "cpu", telemetry=engine.telemetry)
-    state.attach(engine, loaded.name, loaded.model_id, None)
+    state.attach(engine)
     return TestClient(create_app(state)), engine
 
 
@@ -260,7 +261,7 @@ def test_a_full_queue_answers_503_with_retry_after_on_both_apis(tiny: LoadedMode
     response = client.post("/v1/completions", json={"model": tiny.model_id, "prompt": "the", "max_tokens": 4})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "server_busy"
-    assert engine.jobs_in_flight == 1  # only the job that was already waiting
+    assert engine.stats().jobs_in_flight == 1  # only the job that was already waiting
 
 
 def test_a_job_larger_than_the_whole_kv_pool_is_refused_with_400(tiny: LoadedModel) -> None:
@@ -270,4 +271,4 @@ def test_a_job_larger_than_the_whole_kv_pool_is_refused_with_400(tiny: LoadedMod
     error = response.json()["errors"][0]
     assert error["field"] == "max_tokens" and "--kv-cache-mb" in error["message"]
     assert error["constraint"] == f"prompt_tokens + max_tokens <= {7 * 16}"
-    assert engine.jobs_in_flight == 0
+    assert engine.stats().jobs_in_flight == 0

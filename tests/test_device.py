@@ -18,10 +18,10 @@ from llorch.device import (
     resolve_backend,
     verify_device,
 )
+from llorch.engine.config import resolve_dtype
 from llorch.engine.runner import ModelRunner
 from llorch.errors import BackendUnavailable
 from llorch.weights.loader import LoadedModel
-from llorch.workers import resolve_dtype
 
 
 def run_program(program: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llorch.engine.detokenizer import IncrementalDetokenizer
 from llorch.engine.request import SamplingParams
-from llorch.engine.sampler import make_generator, sample
+from llorch.engine.sampler import SamplerState, sample_batch
 from llorch.engine.stop import StopMatcher
 from llorch.weights.loader import LoadedModel
+from llorch.weights.tokenizer import Tokenizer, tokenizer_from_gguf
+from model_zoo import train_tokenizer
+from tiny_model import tiny_vocab
 
 pytestmark = pytest.mark.cpu
 
@@ -56,35 +61,131 @@ def test_stop_text_is_never_emitted(text: str, cuts: list[int], stops: list[str]
     assert not any(s in out for s in stops)
 
 
+CPU = torch.device("cpu")
+
+
+def state(params: SamplingParams, seed: int = 0, prompt: tuple[int, ...] = (), vocab: int = 50) -> SamplerState:
+    return SamplerState(params, seed, list(prompt), vocab, CPU)
+
+
 def test_greedy_is_argmax_whatever_the_seed() -> None:
-    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]])
     params = SamplingParams(temperature=0.0)
-    assert int(sample(logits, params, torch.empty(0, dtype=torch.long), None)) == 1
+    assert [sample_batch(logits, [state(params, seed)])[0].token_id for seed in (0, 1, 2**64 - 1)] == [1, 1, 1]
 
 
 def test_same_seed_same_draws_and_top_k_stays_in_the_top_k() -> None:
-    logits = torch.linspace(0, 1, 50)
+    logits = torch.linspace(0, 1, 50)[None]
     params = SamplingParams(temperature=2.0, top_k=3, seed=99)
-    none = torch.empty(0, dtype=torch.long)
-    generator = make_generator(99, torch.device("cpu"))
-    first = [int(sample(logits, params, none, generator)) for _ in range(300)]
-    generator = make_generator(99, torch.device("cpu"))
-    second = [int(sample(logits, params, none, generator)) for _ in range(300)]
-    assert first == second
-    assert set(first) <= {47, 48, 49}
-    assert len(set(first)) == 3
+    first, second = state(params, 99), state(params, 99)
+    draws = [(sample_batch(logits, [first])[0].token_id, sample_batch(logits, [second])[0].token_id)
+             for _ in range(300)]
+    assert all(a == b for a, b in draws)
+    assert {a for a, _ in draws} == {47, 48, 49}
+
+
+def test_a_row_draws_the_same_tokens_alone_or_in_any_batch() -> None:
+    """Same seed, same tokens at any concurrency: the batch around a row changes nothing."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1000, generator=generator) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),
+              SamplingParams(temperature=1.3, top_k=40, min_p=0.02), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.0, repetition_penalty=1.3), SamplingParams(temperature=0.5, top_k=1)]
+    prompts = [(1, 2), (3,), (), (4, 4), (10, 11, 12), ()]
+
+    def states() -> list[SamplerState]:
+        return [state(p, seed=100 + i, prompt=prompts[i], vocab=1000) for i, p in enumerate(params)]
+
+    alone = [[sample_batch(logits[i : i + 1], [s], [3])[0] for _ in range(20)] for i, s in enumerate(states())]
+    together_states = states()
+    together = [sample_batch(logits, together_states, [3] * 6) for _ in range(20)]
+    for i in range(6):
+        assert [step[i] for step in together] == alone[i]
 
 
 def test_repetition_penalty_lowers_seen_tokens() -> None:
-    logits = torch.tensor([2.0, 1.9, -1.0])
-    seen = torch.tensor([0])
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
     params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
-    assert int(sample(logits, params, seen, None)) == 1
+    assert sample_batch(logits, [state(params, prompt=(0,), vocab=3)])[0].token_id == 1
+
+
+def test_requested_logprobs_are_the_log_softmax_of_the_raw_logits() -> None:
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]])
+    sampled = sample_batch(logits, [state(SamplingParams(temperature=0.0), vocab=4)], [2])[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert sampled.token_id == 1
+    assert sampled.logprob == pytest.approx(float(expected[1]))
+    assert [t for t, _ in sampled.top] == [1, 3]
+    assert [v for _, v in sampled.top] == pytest.approx([float(expected[1]), float(expected[3])])
 
 
 def test_full_uint64_seed_range_is_accepted() -> None:
+    logits = torch.zeros(1, 5)
     for seed in (0, 2**63 - 1, 2**63, 2**64 - 1):
-        make_generator(seed, torch.device("cpu"))
+        assert 0 <= sample_batch(logits, [state(SamplingParams(), seed, vocab=5)])[0].token_id < 5
+
+
+def spm_with_dummy_prefix(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A SentencePiece-style vocabulary whose decoder strips the leading space (Llama 2, Mistral)."""
+    tokens, scores, types = tiny_vocab()
+    words = ["▁café", "中", "▁▁", "é"]
+    metadata = {"general.architecture": "llama", "tokenizer.ggml.model": "llama",
+                "tokenizer.ggml.tokens": tokens + words,
+                "tokenizer.ggml.scores": np.array(scores + [-20.0] * len(words), dtype=np.float32),
+                "tokenizer.ggml.token_type": types + [1] * len(words), "tokenizer.ggml.bos_token_id": 2,
+                "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+                "tokenizer.ggml.add_space_prefix": True}
+    return tokenizer_from_gguf(metadata, tmp_path_factory.mktemp("spm") / "vocab.gguf")
+
+
+@pytest.fixture(scope="module")
+def decoder_kinds(ours: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
+    """One tokenizer of each decoder kind the worker builds."""
+    byte_level = train_tokenizer()
+    return {
+        "sentencepiece-gemma": ours.tokenizer,  # byte fallback, spaces kept
+        "sentencepiece-dummy-prefix": spm_with_dummy_prefix(tmp_path_factory),  # byte fallback, leading space stripped
+        "byte-level-bpe": Tokenizer.around(byte_level, byte_level.token_to_id("<|begin_of_text|>"),
+                                           {byte_level.token_to_id("<|end_of_text|>")}),
+    }
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), kind=st.sampled_from(["sentencepiece-gemma", "sentencepiece-dummy-prefix", "byte-level-bpe"]))
+def test_streamed_pieces_equal_full_decoding_for_every_decoder_kind(
+    decoder_kinds: dict[str, Tokenizer], data: st.DataObject, kind: str
+) -> None:
+    """Random id streams (byte tokens splitting characters, specials, spaces, words) stream exactly."""
+    tokenizer = decoder_kinds[kind]
+    size = tokenizer.backend.get_vocab_size()
+    frequent = [i for i in (tokenizer.backend.token_to_id(t) for t in ("▁", "▁▁", "▁the", "é", "Ġ", "Ġthe"))
+                if i is not None]
+    specials = sorted(tokenizer.special_ids)
+    pool = st.integers(0, size - 1) | st.sampled_from(frequent + specials)
+    if tokenizer.byte_token_ids:
+        pool = pool | st.sampled_from(sorted(tokenizer.byte_token_ids))
+    ids = data.draw(st.lists(pool, max_size=40))
+    detok = IncrementalDetokenizer(tokenizer.decode, tokenizer.byte_token_ids, tokenizer.special_ids)
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids)
+    for piece in pieces:
+        assert not piece.endswith("\ufffd")
+
+
+def test_per_token_work_stays_bounded_however_long_the_output(ours: LoadedModel) -> None:
+    """The detokenizer decodes a short window per token, not the whole output again (O(1), not O(n))."""
+    decoded_lengths: list[int] = []
+
+    def decode(ids: Sequence[int]) -> str:
+        decoded_lengths.append(len(ids))
+        return ours.tokenizer.decode(ids)
+
+    ids = ours.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 200, add_special_tokens=False)
+    detok = IncrementalDetokenizer(decode, ours.tokenizer.byte_token_ids, ours.tokenizer.special_ids)
+    text = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert len(ids) > 2000
+    assert text == ours.tokenizer.decode(ids)
+    assert max(decoded_lengths) <= 4
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,13 +1,14 @@
 """Generation semantics through the in-process engine (and its HTTP app) on the default model.
 
-Failures are injected by patching one engine step for one job: the worker code under
-test is the real one, with no test hooks in it.
+Failures are injected by wrapping the model runner's public `forward` so that it fails
+for one job's segment (recognized by its position, which no other job reaches): the
+worker code under test is the real one, with no test hooks in it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,10 +16,12 @@ import torch
 from fastapi.testclient import TestClient
 
 from conftest import greedy_ids
-from jobs import PROMPT, make_engine, run
-from llorch.api.app import WorkerState, create_app
+from jobs import PROMPT, make_engine, run, with_tokenizer
+from llorch.api.app import create_app
+from llorch.api.state import WorkerState
 from llorch.engine.engine import Engine
-from llorch.engine.request import SamplingParams
+from llorch.engine.request import GenerationRequest, SamplingParams
+from llorch.engine.runner import ModelRunner, Segment
 from llorch.weights.loader import LoadedModel
 
 pytestmark = pytest.mark.cpu
@@ -41,12 +44,28 @@ def test_stop_sequence_ends_before_its_text(engine: Engine, ours: LoadedModel) -
     assert job.text == full[: full.index(" country")]
 
 
+def fail_at(monkeypatch: pytest.MonkeyPatch, doomed: Callable[[Segment], bool], error: Exception) -> None:
+    """Make the runner raise `error` for any step holding a segment for which `doomed` is true."""
+    real_forward = ModelRunner.forward
+
+    def forward(self: ModelRunner, segments: list[Segment]) -> Any:
+        if any(doomed(segment) for segment in segments):
+            raise error
+        return real_forward(self, segments)
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+
+
+def prompt_length(engine: Engine, prompt: str) -> int:
+    return len(engine.prepare(GenerationRequest("probe", prompt, 1)).prompt_ids)
+
+
 def test_every_declared_end_of_generation_id_stops_with_eos(ours: LoadedModel) -> None:
     ids = greedy_ids(ours, ours.tokenizer.encode(PROMPT), 8)
     # Declare a greedy token the model has not produced before an end-of-generation id:
     # generation must stop exactly there.
     stop_at = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])
-    engine = make_engine(ours, eos_token_ids=ours.tokenizer.eos_token_ids | {ids[stop_at]})
+    engine = make_engine(with_tokenizer(ours, eos_token_ids=ours.tokenizer.eos_token_ids | {ids[stop_at]}))
     try:
         job = run(engine, "eos-1")
         end = job.wait()
@@ -58,34 +77,29 @@ def test_every_declared_end_of_generation_id_stops_with_eos(ours: LoadedModel) -
 
 
 def test_injected_step_failure_ends_only_that_job(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_forward = engine._forward_batch
-
-    def failing_forward(chunks: list[Any]) -> Any:
-        if any(c.seq.job_id == "doomed" and len(c.seq.output_ids) == 3 for c in chunks):
-            raise RuntimeError("injected kernel failure")
-        return real_forward(chunks)
-
-    monkeypatch.setattr(engine, "_forward_batch", failing_forward)
-    doomed, bystander = run(engine, "doomed", max_tokens=50), run(engine, "bystander", max_tokens=10)
+    long_prompt = "The capital of France is a city that many people visit, and its name is"
+    doomed_at = prompt_length(engine, long_prompt) + 2  # the step that feeds the doomed job's third token
+    assert prompt_length(engine, PROMPT) + 10 < doomed_at  # the bystander never gets that far
+    fail_at(monkeypatch, lambda s: s.start == doomed_at and len(s.token_ids) == 1,
+            RuntimeError("injected kernel failure"))
+    doomed, bystander = run(engine, "doomed", long_prompt, max_tokens=50), run(engine, "bystander", max_tokens=10)
     error = doomed.wait()
     assert error == {"type": "error", "code": "INFERENCE_FAILED",
                      "message": "RuntimeError: injected kernel failure"}
     assert bystander.wait()["stop_reason"] == "MAX_TOKENS"
+    assert any(e["type"] == "token" for e in doomed.events)  # it had streamed before it failed
     assert run(engine, "after").wait()["type"] == "end"
     assert engine.alive
-    assert engine.blocks.used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_out_of_memory_is_reported_as_vram_oom(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_forward = engine._forward_batch
-
-    def oom_forward(chunks: list[Any]) -> Any:
-        if any(c.seq.job_id == "huge" for c in chunks):
-            raise torch.OutOfMemoryError("injected: tried to allocate 80 GiB")
-        return real_forward(chunks)
-
-    monkeypatch.setattr(engine, "_forward_batch", oom_forward)
-    assert run(engine, "huge").wait()["code"] == "VRAM_OOM"
+    huge = "Please summarize the following very long text about many things"
+    size = prompt_length(engine, huge)
+    assert size != prompt_length(engine, PROMPT)
+    fail_at(monkeypatch, lambda s: s.start == 0 and len(s.token_ids) == size,
+            torch.OutOfMemoryError("injected: tried to allocate 80 GiB"))
+    assert run(engine, "huge", huge).wait()["code"] == "VRAM_OOM"
     assert run(engine, "small").wait()["type"] == "end"
 
 
@@ -105,7 +119,7 @@ def test_a_queued_job_is_cancelled_at_once(ours: LoadedModel) -> None:
         assert hog.wait()["stop_reason"] == "CANCELLED"
     finally:
         engine.stop()
-    assert engine.blocks.used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_metrics_are_spaced_and_end_figures_are_true(engine: Engine) -> None:
@@ -119,7 +133,7 @@ def test_metrics_are_spaced_and_end_figures_are_true(engine: Engine) -> None:
     assert job.events[-2]["type"] in ("metrics", "token")
     assert 0 < end["decode_time_ms"] <= wall_ms
     assert metrics[-1]["tokens_per_sec"] == pytest.approx(tokens_out / end["decode_time_ms"] * 1000, rel=0.2)
-    assert metrics[-1]["vram_bytes"] >= engine.runner.weight_bytes
+    assert metrics[-1]["vram_bytes"] == engine.resident_bytes >= engine.stats().weights_bytes
     # at most about one metrics event a second, plus the final one
     assert len(metrics) <= end["decode_time_ms"] / 1000 + 2
 
@@ -127,22 +141,19 @@ def test_metrics_are_spaced_and_end_figures_are_true(engine: Engine) -> None:
 def test_http_failure_yields_error_event_and_next_request_succeeds(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_forward = engine._forward_batch
-
-    def failing_forward(chunks: list[Any]) -> Any:
-        if any(c.seq.job_id == "http-doomed" for c in chunks):
-            raise ValueError("injected")
-        return real_forward(chunks)
-
-    monkeypatch.setattr(engine, "_forward_batch", failing_forward)
+    doomed_prompt = "Hello there, how are you doing on this fine day?"
+    size = prompt_length(engine, doomed_prompt)
+    fail_at(monkeypatch, lambda s: s.start == 0 and len(s.token_ids) == size, ValueError("injected"))
     state = WorkerState("cpu", "cpu", telemetry=engine.telemetry)
-    state.attach(engine, "test", "test", None)
+    state.attach(engine)
     client = TestClient(create_app(state))
-    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
-    first = client.post("/execute", json={"job_id": "http-doomed", **body}, headers={"accept": "application/x-ndjson"})
+    body = {"max_tokens": 5, "temperature": 0}
+    first = client.post("/execute", json={"job_id": "http-doomed", "prompt": doomed_prompt, **body},
+                        headers={"accept": "application/x-ndjson"})
     assert first.status_code == 200
     assert first.text.strip().splitlines()[-1].startswith('{"type":"error","code":"INFERENCE_FAILED"')
-    second = client.post("/execute", json={"job_id": "http-fine", **body}, headers={"accept": "application/x-ndjson"})
+    second = client.post("/execute", json={"job_id": "http-fine", "prompt": "Hello", **body},
+                         headers={"accept": "application/x-ndjson"})
     assert '"stop_reason":"MAX_TOKENS"' in second.text.strip().splitlines()[-1]
     assert client.get("/health").json()["status"] == "healthy"
 
@@ -161,4 +172,4 @@ def test_request_timeout_ends_overlong_jobs_with_timeout(ours: LoadedModel) -> N
     assert error["type"] == "error"
     assert error["code"] == "TIMEOUT"
     assert 1.0 <= elapsed < 5.0
-    assert engine.blocks.used_blocks == 0
+    assert engine.stats().kv_blocks_used == 0

@@ -25,9 +25,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from llorch.api.app import WorkerState, create_app
-from llorch.engine.engine import Engine
-from llorch.engine.runner import ModelRunner
+from jobs import make_engine
+from llorch.api.app import create_app
+from llorch.api.state import WorkerState
+from llorch.engine.request import GenerationRequest
 from llorch.errors import ModelFileError, StartupError
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import load_model
@@ -44,11 +45,9 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_state(tiny_path: Path) -> Iterator[WorkerState]:
     loaded = load_model(tiny_path, torch.device("cpu"), torch.float32)
-    state = WorkerState("cpu", "cpu")
-    runner = ModelRunner(loaded.model, torch.device("cpu"), torch.float32, kv_cache_bytes=16 * 2**20)
-    engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size=8192, telemetry=state.telemetry)
-    engine.start()
-    state.attach(engine, loaded.name, loaded.model_id, None)
+    engine = make_engine(loaded, ctx_size=8192, kv_cache_bytes=16 * 2**20, max_running=16)
+    state = WorkerState("cpu", "cpu", telemetry=engine.telemetry)
+    state.attach(engine)
     yield state
     engine.stop()
 
@@ -156,7 +155,8 @@ def test_metrics_counters_move_with_requests(tiny_app, tiny_state: WorkerState) 
     assert ended == 1
     assert delta("llorch_requests_total", outcome="rejected_invalid") == 1
     assert tiny_state.engine is not None
-    assert delta("llorch_prompt_tokens_total") == len(tiny_state.engine.tokenizer.encode("the cat"))
+    prepared = tiny_state.engine.prepare(GenerationRequest("count", "the cat", 1))
+    assert delta("llorch_prompt_tokens_total") == len(prepared.prompt_ids)
     assert 1 <= delta("llorch_generated_tokens_total") <= 5
     assert delta("llorch_time_to_first_token_seconds_count") == 1
     assert after[("llorch_running_jobs", ())] == 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Worker, free_port, stop_worker
+from conftest import Worker, start_worker, stop_worker
+from launch import wait_ready
 from soak import soak
 
 pytestmark = pytest.mark.cpu
@@ -23,29 +22,8 @@ LONG_RUNNING = {"prompt": "List the numbers from 1 to 500: 1, 2, 3,", "temperatu
 
 
 def spawn(tmp: Path, *extra: str) -> Worker:
-    """A worker process, returned at once (start_worker would wait for it to be healthy)."""
-    port = free_port()
-    log_path = tmp / f"worker-{port}.log"
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "llorch-cpu-worker"), "--port", str(port), "--log-format", "text", *extra],
-        stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True)
-    return Worker(process, f"http://127.0.0.1:{port}", log_path)
-
-
-def health(worker: Worker) -> dict[str, Any] | None:
-    """The /health body, or None while the worker cannot answer (not bound yet, or at its connection limit)."""
-    try:
-        response = httpx.get(f"{worker.base_url}/health", timeout=1)
-    except httpx.HTTPError:
-        return None
-    return response.json() if response.status_code == 200 else None
-
-
-def wait_healthy(worker: Worker) -> None:
-    deadline = time.monotonic() + 120
-    while (health(worker) or {}).get("status") != "healthy":
-        assert time.monotonic() < deadline and worker.process.poll() is None, worker.log()
-        time.sleep(0.1)
+    """A worker process, returned at once (not waiting for it to be healthy)."""
+    return start_worker(tmp, *extra, wait=False)
 
 
 def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None:
@@ -54,7 +32,7 @@ def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None
         seen: list[dict[str, Any]] = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and worker.process.poll() is None:
-            body = health(worker)
+            body = worker.health()
             if body is not None:
                 seen.append(body)
                 if body["status"] == "healthy":
@@ -109,7 +87,7 @@ class Reader(threading.Thread):
 def test_sigterm_drains_every_stream_to_a_terminal_event_and_exits_0(tmp_path: Path) -> None:
     worker = spawn(tmp_path, "--drain-timeout", "6")
     try:
-        wait_healthy(worker)
+        wait_ready(worker)
         long_jobs = [Reader(worker.base_url, {"job_id": f"long-{i}", **LONG_RUNNING}) for i in range(2)]
         for reader in long_jobs:
             reader.start()
@@ -121,7 +99,7 @@ def test_sigterm_drains_every_stream_to_a_terminal_event_and_exits_0(tmp_path: P
         signalled = time.monotonic()
         worker.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        assert health(worker)["status"] == "draining"
+        assert (worker.health() or {}).get("status") == "draining"
         refused = httpx.post(f"{worker.base_url}/execute", json={"job_id": "late", "prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503
         assert worker.process.wait(30) == 0

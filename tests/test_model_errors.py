@@ -10,10 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import all_logits
+from conftest import all_logits, assert_one_line_failure, run_worker_to_exit
 from llorch.weights.loader import load_model
 from model_zoo import ARCHITECTURES, Q, build_hf_model, export_gguf, train_tokenizer
-from test_startup import assert_one_line_failure, run_worker
 
 pytestmark = pytest.mark.cpu
 
@@ -74,41 +73,42 @@ def test_a_worker_serves_a_model_directory(model_dir: Path) -> None:
 def test_truncated_safetensors(model_dir: Path) -> None:
     weights = model_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    assert_one_line_failure(run_worker("--model", str(model_dir)), str(weights), "not a valid safetensors file")
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), str(weights), "not a valid safetensors file")
 
 
 def test_shard_listed_in_the_index_but_missing(model_dir: Path) -> None:
     files = shard(model_dir)
     (model_dir / files[1]).unlink()
-    assert_one_line_failure(run_worker("--model", str(model_dir)), files[1], "listed in", "but missing")
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), files[1], "listed in", "but missing")
 
 
 def test_tensor_shapes_that_disagree_with_config(model_dir: Path) -> None:
     edit_config(model_dir, intermediate_size=384)
-    assert_one_line_failure(run_worker("--model", str(model_dir)), "layers.0.mlp", "(512, 256)", "(384, 256)")
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), "layers.0.mlp", "(512, 256)", "(384, 256)")
 
 
 def test_missing_tokenizer(model_dir: Path) -> None:
     (model_dir / "tokenizer.json").unlink()
-    assert_one_line_failure(run_worker("--model", str(model_dir)), "has no tokenizer.json")
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), "has no tokenizer.json")
 
 
 def test_unsupported_architecture(model_dir: Path) -> None:
     edit_config(model_dir, model_type="gpt_neox")
-    assert_one_line_failure(run_worker("--model", str(model_dir)), "unknown architecture", "gpt_neox")
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), "unknown architecture", "gpt_neox")
 
 
 def test_unsupported_quantization_type_is_named(pristine: Path, tmp_path: Path) -> None:
     path = export_gguf(pristine, tmp_path / "iq.gguf", Q.F32, raw_types={"blk.0.ffn_down.weight": Q.IQ4_NL})
-    assert_one_line_failure(run_worker("--model", str(path)), "blk.0.ffn_down.weight", "IQ4_NL", "not supported")
+    assert_one_line_failure(run_worker_to_exit("--model", str(path)), "blk.0.ffn_down.weight", "IQ4_NL",
+                            "not supported")
 
 
 def test_pickle_only_checkpoint_directory(model_dir: Path) -> None:
     (model_dir / "model.safetensors").unlink()
     (model_dir / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
-    assert_one_line_failure(run_worker("--model", str(model_dir)), "pytorch_model.bin", "pickle")
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), "pytorch_model.bin", "pickle")
 
 
 def test_missing_config(model_dir: Path) -> None:
     (model_dir / "config.json").unlink()
-    assert_one_line_failure(run_worker("--model", str(model_dir)), "config.json", "is missing")
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), "config.json", "is missing")

@@ -14,23 +14,33 @@ from scipy.stats import chisquare
 
 from llorch.engine.request import SamplingParams
 from llorch.engine.sampler import (
+    SamplerState,
     apply_presence_frequency,
     apply_repetition_penalty,
     filtered_probs,
-    make_generator,
-    sample,
+    sample_batch,
 )
 
 pytestmark = pytest.mark.cpu
 
 DRAWS = 6000
 LOGITS = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.7, 0.2, -0.3, -0.9, -1.4, -2.5])
-NO_HISTORY = torch.empty(0, dtype=torch.long)
+SEED = 20261122
 
 
-def draw(params: SamplingParams, logits: torch.Tensor = LOGITS, seen: torch.Tensor = NO_HISTORY) -> Counter[int]:
-    generator = make_generator(20261122, torch.device("cpu"))
-    return Counter(int(sample(logits, params, seen, generator)) for _ in range(DRAWS))
+def draw(params: SamplingParams, logits: torch.Tensor = LOGITS, prompt: list[int] | None = None,
+         counts: torch.Tensor | None = None) -> Counter[int]:
+    """DRAWS tokens from one sequence's sampler (its history frozen), in batches of 100 rows.
+
+    Each row of a batch is the same sequence state, so a batch gives 100 draws from the
+    sequence's own random stream, as 100 consecutive steps would.
+    """
+    state = SamplerState(params, SEED, prompt or [], len(logits), torch.device("cpu"))
+    if counts is not None:
+        assert state.counts is not None
+        state.counts += counts
+    batch = logits.expand(100, -1)
+    return Counter(s.token_id for _ in range(DRAWS // 100) for s in sample_batch(batch, [state] * 100))
 
 
 def assert_follows(counts: Counter[int], probs: torch.Tensor) -> None:
@@ -87,12 +97,12 @@ def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
-    seen = torch.tensor([0, 0, 9])
-    penalized = apply_repetition_penalty(LOGITS, seen, 1.5)
+    seen = [0, 0, 9]
+    penalized = apply_repetition_penalty(LOGITS, torch.tensor(seen), 1.5)
     assert penalized[0] == pytest.approx(2.0 / 1.5)
     assert penalized[9] == pytest.approx(-2.5 * 1.5)
     assert torch.equal(penalized[1:9], LOGITS[1:9])
-    assert_follows(draw(SamplingParams(temperature=1.0, repetition_penalty=1.5), seen=seen),
+    assert_follows(draw(SamplingParams(temperature=1.0, repetition_penalty=1.5), prompt=seen),
                    torch.softmax(penalized, -1))
 
 
@@ -111,7 +121,7 @@ def test_stages_apply_in_order_penalty_temperature_top_k_top_p_min_p() -> None:
     expected = probs / probs.sum()
     got = filtered_probs(apply_repetition_penalty(LOGITS, seen, 1.3), params)
     assert torch.allclose(got, expected, atol=1e-6)
-    assert_follows(draw(params, seen=seen), expected)
+    assert_follows(draw(params, prompt=[1]), expected)
 
 
 def test_greedy_ignores_the_generator() -> None:
@@ -128,6 +138,4 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
     assert penalized[3] == pytest.approx(1.1 - 0.5 - 0.25)
     untouched = [i for i in range(len(LOGITS)) if i not in (0, 3)]
     assert torch.equal(penalized[untouched], LOGITS[untouched])
-    generator = make_generator(7, torch.device("cpu"))
-    drawn = Counter(int(sample(LOGITS, params, NO_HISTORY, generator, counts)) for _ in range(DRAWS))
-    assert_follows(drawn, torch.softmax(penalized, -1))
+    assert_follows(draw(params, counts=counts), torch.softmax(penalized, -1))

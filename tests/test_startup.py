@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import free_port, start_worker, stop_worker
+from conftest import assert_one_line_failure, free_port, run_worker_to_exit, start_worker, stop_worker
 
 pytestmark = pytest.mark.cpu
 
@@ -93,16 +91,10 @@ def test_ready_callback_after_the_server_answers(tmp_path: Path, callback_server
         stop_worker(worker)
 
 
-def run_worker(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).parent / "llorch-cpu-worker"
-    return subprocess.run([str(exe), "--port", str(free_port()), *args],
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def test_refused_callback_means_a_nonzero_exit_after_bounded_retries() -> None:
     closed_port = free_port()
     started = time.monotonic()
-    result = run_worker("--callback-url", f"http://127.0.0.1:{closed_port}/ready", "--callback-timeout", "2")
+    result = run_worker_to_exit("--callback-url", f"http://127.0.0.1:{closed_port}/ready", "--callback-timeout", "2")
     assert result.returncode != 0
     assert "ready callback never succeeded" in result.stderr
     assert result.stderr.count("ready callback failed") >= 2  # it retried
@@ -119,19 +111,9 @@ def write_gguf(path: Path, architecture: str) -> None:
     writer.close()
 
 
-def assert_one_line_failure(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
-    assert result.returncode != 0
-    # Progress is logged as JSON lines on stderr; the failure itself is the one plain line.
-    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("{")]
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
-
-
 def test_missing_model_file(tmp_path: Path, callback_server: CallbackServer) -> None:
     missing = tmp_path / "nope.gguf"
-    result = run_worker("--model", str(missing), "--callback-url", callback_server.url)
+    result = run_worker_to_exit("--model", str(missing), "--callback-url", callback_server.url)
     assert_one_line_failure(result, str(missing), "no such file")
     assert callback_server.received == []  # never announce a worker that failed
 
@@ -139,39 +121,39 @@ def test_missing_model_file(tmp_path: Path, callback_server: CallbackServer) -> 
 def test_truncated_gguf(tmp_path: Path, model_path: Path) -> None:
     truncated = tmp_path / "half.gguf"
     truncated.write_bytes(model_path.read_bytes()[: 120_000_000])
-    result = run_worker("--model", str(truncated))
+    result = run_worker_to_exit("--model", str(truncated))
     assert_one_line_failure(result, str(truncated), "truncated")
 
 
 def test_corrupt_gguf(tmp_path: Path) -> None:
     corrupt = tmp_path / "noise.gguf"
     corrupt.write_bytes(bytes(range(256)) * 64)
-    result = run_worker("--model", str(corrupt))
+    result = run_worker_to_exit("--model", str(corrupt))
     assert_one_line_failure(result, str(corrupt), "not a GGUF file")
 
 
 def test_unknown_architecture(tmp_path: Path) -> None:
     odd = tmp_path / "odd.gguf"
     write_gguf(odd, "mamba9")
-    result = run_worker("--model", str(odd))
+    result = run_worker_to_exit("--model", str(odd))
     assert_one_line_failure(result, str(odd), "unknown architecture 'mamba9'")
 
 
 def test_pickle_checkpoints_are_refused(tmp_path: Path) -> None:
     pickled = tmp_path / "pytorch_model.bin"
     pickled.write_bytes(b"\x80\x04not really")
-    result = run_worker("--model", str(pickled))
+    result = run_worker_to_exit("--model", str(pickled))
     assert_one_line_failure(result, str(pickled), "pickle")
 
 
 def test_context_size_beyond_the_model(tmp_path: Path) -> None:
-    result = run_worker("--ctx-size", "999999")
+    result = run_worker_to_exit("--ctx-size", "999999")
     assert_one_line_failure(result, "--ctx-size 999999")
 
 
 def test_kv_cache_budgets_that_cannot_hold_two_blocks_are_refused() -> None:
-    result = run_worker("--kv-cache-mb", "0")
+    result = run_worker_to_exit("--kv-cache-mb", "0")
     assert result.returncode == 2 and "--kv-cache-mb: must be at least 1, got 0" in result.stderr
     # One 16-token block of the default model in float32 is 0.56 MB: 1 MB holds only one.
-    result = run_worker("--kv-cache-mb", "1", "--dtype", "f32")
+    result = run_worker_to_exit("--kv-cache-mb", "1", "--dtype", "f32")
     assert_one_line_failure(result, "--kv-cache-mb 1 is smaller than two KV blocks of this model")

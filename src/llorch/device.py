@@ -16,8 +16,6 @@ from torch import nn
 
 from llorch.errors import BackendUnavailable, StartupError
 
-BACKENDS = ("cpu", "cuda", "accelerate")
-
 
 @dataclass(frozen=True)
 class Backend:

@@ -9,39 +9,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import logging
 import os
 import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 import torch
 import uvicorn
 from fastapi import FastAPI
 
-from llorch.api.app import WorkerState, create_app
+from llorch.api.app import create_app
 from llorch.api.callback import send_ready
+from llorch.api.state import WorkerState
 from llorch.device import Backend, physical_cores, resolve_backend, verify_device
-from llorch.engine.engine import Engine
-from llorch.engine.runner import BLOCK_SIZE, ModelRunner
+from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES, EngineConfig, build_engine
 from llorch.errors import StartupError
-from llorch.kernels.build import KernelUnavailable
-from llorch.kernels.build import library as kernel_library
 from llorch.logs import setup_logging
-from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
-from llorch.weights.default_model import default_model_path
-from llorch.weights.loader import LoadedModel, load_model
 
 log = logging.getLogger("llorch.worker")
-
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-DEFAULT_CPU_KV_MB = 512
-DEFAULT_CUDA_KV_FRACTION = 0.5
-
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -108,17 +95,6 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
-    if choice != "auto":
-        return DTYPES[choice]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # float32 on every CPU, measured rather than inferred from a flag: the int8 kernels compute in
-    # float32 (bf16 activations were 30% slower even with AVX512-BF16), and dense weights keep the
-    # file's exact numbers. `--dtype bf16` trades those numbers for dense-weight speed.
-    return torch.float32
-
-
 def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
@@ -153,92 +129,14 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
 
 
 def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) -> None:
-    """Load the model, build the engine and attach it to `state` (runs in a worker thread)."""
-    model_path = args.model or default_model_path()
-    dtype = resolve_dtype(args.dtype, backend.device)
+    """Build the engine from the flags, start it and attach it to `state` (runs in a worker thread)."""
 
     def progress(done: int, total: int) -> None:
         state.loading_progress = done / total
 
-    # The int8 kernels are the cpu worker's; the accelerate worker's point is Accelerate's BLAS
-    # on dense weights, and the CUDA worker dequantizes to its compute dtype.
-    keep_quantized = backend.name == "cpu" and not args.dequantize and quantized_kernels_available()
-    loaded = load_model(model_path, backend.device, dtype, progress=progress, keep_quantized=keep_quantized)
-    release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
-    ctx_size = args.ctx_size or loaded.config.context_length
-    if not 0 < ctx_size <= loaded.config.context_length:
-        raise StartupError(f"--ctx-size {ctx_size} is outside 1..{loaded.config.context_length} (the model's context)")
-    block_bytes = ModelRunner.bytes_per_block(loaded.config, dtype)
-    kv_bytes = kv_cache_budget(args.kv_cache_mb, backend.device)
-    if args.kv_cache_mb is None:  # never more than every slot at full context (+ the padding block)
-        kv_bytes = min(kv_bytes, (args.max_running * -(-ctx_size // BLOCK_SIZE) + 1) * block_bytes)
-    if kv_bytes < 2 * block_bytes:
-        raise StartupError(f"--kv-cache-mb {args.kv_cache_mb} is smaller than two KV blocks of this model "
-                           f"({2 * block_bytes / 2**20:.2f} MB)")
-    runner = ModelRunner(loaded.model, backend.device, dtype, kv_bytes)
-    chat_template = load_chat_template(args.chat_template_file, loaded)
-    state.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "backend": backend.name,
-                                "device": str(backend.device), "dtype": str(dtype).removeprefix("torch.")})
-    engine = Engine(runner, loaded.tokenizer, loaded.name, ctx_size, max_running=args.max_running,
-                    telemetry=state.telemetry, request_timeout=args.request_timeout,
-                    max_prompt_tokens=args.max_prompt_tokens, max_queue=args.max_queue,
-                    max_batch_tokens=args.max_batch_tokens, prefix_caching=not args.no_prefix_cache)
+    engine = build_engine(EngineConfig.from_args(args), backend.device, telemetry=state.telemetry, progress=progress)
     engine.start()
-    state.attach(engine, loaded.name, loaded.model_id, chat_template)
-    log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(backend.device),
-                                    "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-                                    "weights": "int8 blocks" if keep_quantized else "dense",
-                                    "kv_pool_tokens": runner.tokens_per_pool, "kv_pool_bytes": runner.kv_bytes})
-
-
-def release_freed_memory() -> None:
-    """Hand the allocator's free pages back to the system once loading is done.
-
-    Parsing a large tokenizer.json (a 262k vocabulary) leaves ~200 MB of freed
-    parser memory that glibc keeps for reuse; nothing reuses it, yet it counts as
-    the worker's resident memory. Trimming takes milliseconds.
-    """
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim this way
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def quantized_kernels_available() -> bool:
-    """Whether the int8 kernels build here; without them GGUF weights are dequantized, and the log says why."""
-    try:
-        kernel_library()
-    except KernelUnavailable as exc:
-        log.warning("int8 kernels unavailable, GGUF weights will be dequantized", extra={"reason": str(exc)})
-        return False
-    return True
-
-
-def kv_cache_budget(megabytes: int | None, device: torch.device) -> int:
-    """Bytes for the KV pool: the operator's figure, else a default for the device."""
-    if megabytes is not None:
-        return megabytes * 2**20
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_CUDA_KV_FRACTION)
-    return DEFAULT_CPU_KV_MB * 2**20
-
-
-def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate | None:
-    """The operator's template file, else the model's own, else none (chat answers 400)."""
-    source = loaded.chat_template
-    if path:
-        try:
-            source = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise StartupError(f"{path}: cannot read the chat template ({exc.strerror})") from exc
-    if source is None:
-        return None
-    tokenizer = loaded.tokenizer
-    bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else ""
-    eos = min(tokenizer.eos_token_ids, default=None)
-    try:
-        return ChatTemplate(source, bos, tokenizer.token_text(eos) if eos is not None else "")
-    except ChatTemplateError as exc:
-        raise StartupError(f"{path or loaded.path}: {exc}") from exc
+    state.attach(engine)
 
 
 class Lifecycle:
@@ -284,7 +182,7 @@ class Lifecycle:
         log.info("worker ready", extra={"uri": uri, "worker_id": self.worker_id,
                                         "start_to_ready_s": round(time.perf_counter() - self.process_start, 3)})
         if args.callback_url:
-            payload = {"worker_id": self.worker_id, "vram_bytes": engine.runner.resident_bytes, "uri": uri}
+            payload = {"worker_id": self.worker_id, "vram_bytes": engine.resident_bytes, "uri": uri}
             if not await send_ready(args.callback_url, payload, args.callback_timeout):
                 log.error("ready callback never succeeded; exiting", extra={"url": args.callback_url})
                 await self.stop_server(task)

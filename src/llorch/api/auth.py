@@ -6,7 +6,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+
+from llorch.api.errors import OpenAIError, worker_error
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -22,9 +23,8 @@ def install_bearer_auth(app: FastAPI, api_key: str) -> None:
         if secrets.compare_digest(given, expected):
             return await call_next(request)
         message = "missing or wrong API key (send 'Authorization: Bearer <key>')"
+        challenge = {"WWW-Authenticate": "Bearer"}
         if request.url.path.startswith("/v1/"):
-            body = {"error": {"message": message, "type": "authentication_error", "param": None,
-                              "code": "invalid_api_key"}}
-        else:
-            body = {"errors": [{"field": "authorization", "constraint": "Bearer API key", "message": message}]}
-        return JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+            return OpenAIError(401, message, code="invalid_api_key", kind="authentication_error",
+                               headers=challenge).response()
+        return worker_error(401, "authorization", "Bearer API key", message, challenge)

@@ -1,4 +1,4 @@
-"""Bridge from the engine thread to an HTTP handler: submit a job, await its events.
+"""Bridge from the engine thread to an HTTP handler: submit a prepared job, await its events.
 
 Both APIs (worker and OpenAI) submit through here, so there is one generation path.
 A stream that is abandoned before its terminal event cancels its job.
@@ -11,26 +11,23 @@ import logging
 from collections.abc import AsyncIterator
 
 from llorch.engine.engine import Engine
-from llorch.engine.request import Event, GenerationRequest
+from llorch.engine.request import Event, PreparedJob
 
 log = logging.getLogger("llorch.api")
 
-RETRY_AFTER_S = "1"  # a busy, loading or draining worker: try again (or another worker) shortly
-
 
 class JobStream:
-    def __init__(self, engine: Engine, request: GenerationRequest, prompt_ids: list[int]) -> None:
-        """Submit the job now (raises DuplicateJob); its events are read with `events()`."""
+    def __init__(self, engine: Engine, job: PreparedJob) -> None:
+        """Submit the job now (raises the engine's refusals); its events are read with `events()`."""
         self.engine = engine
-        self.request = request
-        self.prompt_tokens = len(prompt_ids)
+        self.job_id = job.request.job_id
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def emit(event: Event) -> None:  # runs on the engine thread
             loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
-        engine.submit(request, prompt_ids, emit)
+        engine.submit(job, emit)
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event up to and including the terminal one."""
@@ -42,5 +39,5 @@ class JobStream:
                 yield event
         finally:
             if not terminal_seen:  # the client went away: free the job's resources
-                self.engine.cancel(self.request.job_id)
-                log.info("client disconnected; job cancelled", extra={"job_id": self.request.job_id})
+                self.engine.cancel(self.job_id)
+                log.info("client disconnected; job cancelled", extra={"job_id": self.job_id})

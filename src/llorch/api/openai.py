@@ -1,13 +1,13 @@
 """The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
 
-Each of the n choices of a request is one engine job, submitted through the same
+A request goes through the engine's front door once (chat messages are rendered
+there); each of its n choices is one engine job, submitted through the same
 JobStream as the worker API: one generation path, two wire formats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,33 +20,23 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.body import BadRequest, read_json
-from llorch.api.jobs import RETRY_AFTER_S, JobStream
+from llorch.api.errors import (
+    OPENAI_ERROR_SCHEMA,
+    OpenAIError,
+    error_responses,
+    openai_job_error,
+    openai_refusal,
+)
+from llorch.api.jobs import JobStream
 from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from llorch.engine.engine import DuplicateJob, Engine, QueueFull, RequestRejected
-from llorch.engine.request import End, Error, ErrorCode, Event, GenerationRequest, TokenLogprob, TokenText
-from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
+from llorch.api.state import WorkerState
+from llorch.api.streaming import sse
+from llorch.engine.engine import Engine
+from llorch.engine.errors import EngineRefusal
+from llorch.engine.request import End, Error, Event, GenerationRequest, TokenLogprob, TokenText
 
 FINISH_REASONS = {"MAX_TOKENS": "length", "EOS": "stop", "STOP_SEQUENCE": "stop"}
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status, headers=self.headers)
-
-
-def openai_error_from_event(event: Error) -> OpenAIError:
-    if event.code is ErrorCode.VRAM_OOM:
-        return OpenAIError(503, event.message, code="out_of_memory", kind="server_error")
-    return OpenAIError(500, event.message, code=event.code.value.lower(), kind="server_error")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 @dataclass
@@ -69,38 +59,14 @@ class Choice:
         return FINISH_REASONS.get(self.end.stop_reason.value) if self.end else None
 
 
-class OpenAIContext:
-    """The worker's state as the OpenAI routes see it (the engine arrives after loading)."""
-
-    def __init__(self, state: Any) -> None:
-        self._state = state
-
-    @property
-    def model_id(self) -> str:
-        return self._state.model_id
-
-    @property
-    def chat_template(self) -> ChatTemplate | None:
-        return self._state.chat_template
-
-    def ready(self) -> Engine:
-        """The engine, or a 503 while the worker loads or drains."""
-        why = self._state.unavailable()
-        if why or self._state.engine is None:
-            raise OpenAIError(503, why or "unavailable", kind="server_error", code="unavailable")
-        return self._state.engine
-
-
-_ERROR_BODY = {"application/json": {"schema": {"type": "object", "required": ["error"], "properties": {
-    "error": {"type": "object", "required": ["message", "type"]}}}}}
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "A completion, or its chunks when stream=true",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
                           "data": {"type": "string"}}}}}},
-    **{code: {"description": text, "content": _ERROR_BODY} for code, text in (
-        (400, "Invalid or unsupported parameters"), (401, "Missing or wrong API key"), (404, "Unknown model"),
-        (413, "Body too large"), (500, "Generation failed"), (503, "Loading, draining or out of memory"))},
+    **error_responses(OPENAI_ERROR_SCHEMA, {
+        400: "Invalid or unsupported parameters", 401: "Missing or wrong API key", 404: "Unknown model",
+        413: "Body too large", 500: "Generation failed", 503: "Loading, draining or out of memory"}),
 }
 
 
@@ -119,19 +85,26 @@ def openapi_components() -> dict[str, Any]:
     return components
 
 
-def create_openai_router(ctx: OpenAIContext) -> APIRouter:
+def ready(state: WorkerState) -> Engine:
+    """The engine, or a 503 while the worker loads or drains."""
+    why = state.unavailable()
+    if why or state.engine is None:
+        raise OpenAIError(503, why or "unavailable", kind="server_error", code="unavailable")
+    return state.engine
+
+
+def create_openai_router(state: WorkerState) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
-    @router.get("/models", response_model=None, responses={503: {"description": "Loading",
-                                                                   "content": _ERROR_BODY}})
+    @router.get("/models", response_model=None, responses=error_responses(OPENAI_ERROR_SCHEMA, {503: "Loading"}))
     async def models() -> dict[str, Any] | JSONResponse:
         try:
-            ctx_size = ctx.ready().ctx_size
+            engine = ready(state)
         except OpenAIError as exc:
             return exc.response()
         return {"object": "list", "data": [{
-            "id": ctx.model_id, "object": "model", "created": 0, "owned_by": "llorch",
-            "context_length": ctx_size, "max_model_len": ctx_size,
+            "id": engine.model_id, "object": "model", "created": 0, "owned_by": "llorch",
+            "context_length": engine.ctx_size, "max_model_len": engine.ctx_size,
         }]}
 
     @router.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
@@ -139,7 +112,9 @@ def create_openai_router(ctx: OpenAIContext) -> APIRouter:
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
         try:
             body = await parse(request, CompletionRequest)
-            return await generate(ctx, body, body.prompt_text, True, body.logprobs, chat=False)
+            max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+            job = GenerationRequest("", body.prompt_text, max_tokens, stop=body.stop_sequences, logprobs=body.logprobs)
+            return await generate(ready(state), body, job, chat=False)
         except OpenAIError as exc:
             return exc.response()
 
@@ -148,17 +123,10 @@ def create_openai_router(ctx: OpenAIContext) -> APIRouter:
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         try:
             body = await parse(request, ChatCompletionRequest)
-            if ctx.chat_template is None:
-                raise OpenAIError(400, "this model has no chat template; use /v1/completions or start the "
-                                  "worker with --chat-template-file", param="messages",
-                                  code="chat_template_missing")
-            try:
-                prompt = ctx.chat_template.render([m.for_template() for m in body.messages])
-            except ChatTemplateError as exc:
-                raise OpenAIError(400, str(exc), param="messages") from exc
             top = (body.top_logprobs or 0) if body.logprobs else None
-            # The template spells out BOS and the turn markers itself.
-            return await generate(ctx, body, prompt, False, top, chat=True)
+            job = GenerationRequest("", None, body.max_completion_tokens or body.max_tokens, stop=body.stop_sequences,
+                                    logprobs=top, messages=tuple(m.for_template() for m in body.messages))
+            return await generate(ready(state), body, job, chat=True)
         except OpenAIError as exc:
             return exc.response()
 
@@ -173,52 +141,40 @@ def create_openai_router(ctx: OpenAIContext) -> APIRouter:
             first = exc.errors(include_url=False)[0]
             param = ".".join(str(p) for p in first["loc"]) or None
             raise OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from exc
-        ctx.ready()  # 503 while loading or draining, before anything else
-        if body.model != ctx.model_id:
+        engine = ready(state)  # 503 while loading or draining, before anything else
+        if body.model != engine.model_id:
             raise OpenAIError(404, f"The model `{body.model}` does not exist; this worker serves "
-                              f"`{ctx.model_id}`.", param="model", code="model_not_found")
+                              f"`{engine.model_id}`.", param="model", code="model_not_found")
         return body
 
     return router
 
 
-async def generate(ctx: OpenAIContext, body: Any, prompt: str, add_special: bool, logprobs: int | None,
-                   chat: bool) -> JSONResponse | StreamingResponse:
-    engine = ctx.ready()
+async def generate(engine: Engine, body: Any, request: GenerationRequest, chat: bool
+                   ) -> JSONResponse | StreamingResponse:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    prompt_ids = await run_in_threadpool(engine.tokenizer.encode, prompt, add_special)
-    if max_tokens is None:  # chat: up to the context (or KV pool); completions: OpenAI's default of 16
-        max_tokens = max(1, engine.max_sequence_tokens - len(prompt_ids)) if chat else 16
-    try:
-        engine.check_fits(len(prompt_ids), max_tokens)
-    except RequestRejected as exc:
-        code = "context_length_exceeded" if exc.field == "max_tokens" else "prompt_too_long"
-        raise OpenAIError(400, exc.message, param=exc.field, code=code) from exc
-    jobs = [GenerationRequest(f"{request_id}-{i}", prompt, max_tokens, body.sampling(i), body.stop_sequences,
-                              logprobs, add_special) for i in range(body.n)]
     streams: list[JobStream] = []
     try:
-        for job in jobs:
-            streams.append(JobStream(engine, job, prompt_ids))
-    except DuplicateJob as exc:  # request ids are random: this cannot happen twice
-        raise OpenAIError(500, "job id collision", kind="server_error") from exc
-    except QueueFull as exc:
+        prepared = await run_in_threadpool(engine.prepare, request)
+        for i in range(body.n):
+            streams.append(JobStream(engine, prepared.for_choice(f"{request_id}-{i}", body.sampling(i))))
+    except EngineRefusal as exc:
         for submitted in streams:  # all n choices or none
-            engine.cancel(submitted.request.job_id)
-        raise OpenAIError(503, f"The worker is busy: {exc}. Retry shortly.", kind="server_error",
-                          code="server_busy", headers={"Retry-After": RETRY_AFTER_S}) from exc
+            engine.cancel(submitted.job_id)
+        raise openai_refusal(exc) from exc
+    prompt_tokens = len(prepared.prompt_ids)
     created = int(time.time())
-    shape = ChatShape(request_id, created, ctx.model_id) if chat else CompletionShape(request_id, created, ctx.model_id)
+    shape = ChatShape(request_id, created, engine.model_id) if chat else CompletionShape(request_id, created,
+                                                                                         engine.model_id)
     if body.stream:
-        return StreamingResponse(stream_chunks(streams, shape, body.include_usage, len(prompt_ids)),
+        return StreamingResponse(stream_chunks(streams, shape, body.include_usage, prompt_tokens),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     choices = [Choice(i) for i in range(len(streams))]
     async for index, event in merged(streams):
         if isinstance(event, Error):
-            raise openai_error_from_event(event)
+            raise openai_job_error(event)
         absorb(choices[index], event)
-    return JSONResponse(shape.response(choices, usage(len(prompt_ids), choices)))
+    return JSONResponse(shape.response(choices, usage(prompt_tokens, choices)))
 
 
 def absorb(choice: Choice, event: Event) -> str:
@@ -276,7 +232,7 @@ async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: boo
     async for index, event in merged(streams):
         choice = choices[index]
         if isinstance(event, Error):
-            yield sse(openai_error_from_event(event).body())
+            yield sse(openai_job_error(event).body())
             break
         text = absorb(choice, event)
         if text:
@@ -287,10 +243,6 @@ async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: boo
         if include_usage:
             yield sse({**shape.envelope(), "choices": [], "usage": usage(prompt_tokens, choices)})
     yield b"data: [DONE]\n\n"
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
 def token_bytes(text: str) -> list[int]:

@@ -1,13 +1,23 @@
-"""Streaming detokenization that never emits a broken character.
+"""Streaming detokenization: exact, never a broken character, O(1) work per token.
 
-Decoding token by token is wrong for byte-fallback and byte-level vocabularies: one
-character may span several tokens. We decode the output so far and emit only text
-that is final, so the concatenated pieces equal the decoded output exactly:
-- text ending in U+FFFD is an unfinished character, held back;
-- text after a byte-fallback token is held back too: the decoder turns a whole run
-  of byte tokens into text at once, and a later invalid byte can turn earlier bytes
-  of the same run into U+FFFD. A run is final once a normal token follows it
-  (special tokens, which decode to nothing, do not end a run).
+Decoding token by token is wrong for byte-fallback and byte-level vocabularies (one
+character may span several tokens), and decoding the whole output again at every
+token costs O(n). We decode a short window instead: the tokens since the last point
+where the text was final (`_window`), plus those that came after (`_read`):
+
+    emitted piece = decode(window + new tokens) minus decode(window)
+
+The window starts at a clean boundary, so decoding from there gives the same text as
+the full output has from there; both decodes start at the same token, so a decoder
+that strips a leading space (SentencePiece's dummy prefix) strips it from both. Text
+is held back while it is not final:
+- it ends in U+FFFD: an unfinished character (byte-level and byte-fallback vocabularies);
+- the last token is a byte-fallback token: the decoder turns a whole run of byte tokens
+  into text at once, and a later invalid byte turns earlier bytes of the same run into
+  U+FFFD too. A run is final once a normal token follows it (special tokens, which
+  decode to nothing, do not end a run).
+The window only moves past tokens that produced text, so it never starts with tokens
+that decode to nothing (a leading-space strip would then hit the new text instead).
 """
 
 from __future__ import annotations
@@ -28,26 +38,37 @@ class IncrementalDetokenizer:
         self._byte_ids = byte_token_ids
         self._silent_ids = silent_ids  # ids that decode to no text (skipped special tokens)
         self._in_byte_run = False
-        self._ids: list[int] = []
-        self._emitted = ""  # all text handed out so far
+        self._window: list[int] = []  # final tokens whose text was emitted, the decode context
+        self._read: list[int] = []  # tokens after the window, not yet emitted
 
     def add(self, token_id: int) -> str:
-        """The new complete text after appending `token_id` ("" while a character is unfinished)."""
-        self._ids.append(token_id)
+        """The new final text after appending `token_id` ("" while it is not final yet)."""
+        self._read.append(token_id)
         if token_id not in self._silent_ids:
             self._in_byte_run = token_id in self._byte_ids
         if self._in_byte_run:
             return ""
-        text = self._decode(self._ids)
-        if text.endswith(REPLACEMENT) or not text.startswith(self._emitted):
+        piece = self._piece()
+        if piece is None or piece.endswith(REPLACEMENT):
             return ""
-        piece = text[len(self._emitted) :]
-        self._emitted = text
+        self._advance(piece)
         return piece
 
     def flush(self) -> str:
         """Whatever is left at the end (an unfinished character decodes as U+FFFD, as in the full text)."""
-        text = self._decode(self._ids)
-        piece = text[len(self._emitted) :] if text.startswith(self._emitted) else ""
-        self._emitted = text
+        piece = self._piece() or ""
+        self._advance(piece)
         return piece
+
+    def _piece(self) -> str | None:
+        """decode(window + read) minus decode(window); None when the window's text is not its prefix."""
+        before = self._decode(self._window) if self._window else ""
+        text = self._decode(self._window + self._read)
+        return text[len(before) :] if text.startswith(before) else None
+
+    def _advance(self, piece: str) -> None:
+        """The read tokens are final: they become the window, unless they made no text."""
+        # Tokens that made no text (specials, or a space the decoder stripped at the start) stay
+        # behind the window's first token: dropping them could change how the rest decodes.
+        self._window = self._read if piece else self._window + self._read
+        self._read = []

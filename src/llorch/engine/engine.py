@@ -1,14 +1,17 @@
-"""The engine: one thread that owns the model and runs the request lifecycle.
+"""The engine: one thread that owns the model and runs every job's lifecycle.
 
-    submit -> inbox -> scheduler (queue -> admitted with KV blocks) -> batched steps
-           -> sampler -> detokenizer -> stop matcher -> events -> finish (blocks freed)
+    prepare (front door) -> submit -> inbox -> each step: schedule -> run -> process outputs
 
 Each step is one forward pass over every running job: the decoding ones add their
-last token, those still reading their prompt add a chunk of it (continuous batching).
+last token, those still reading their prompt add a chunk of it (continuous
+batching). The scheduler decides who runs and which KV blocks they use, the runner
+computes the logits, the sampler picks every row's token at once, and the output
+stage turns tokens into events.
 
-The HTTP side only calls `prepare`, `submit` and `cancel` and receives plain events
-through the callback it passed; it never touches a tensor. Every state change of a
-job is logged once with its job_id.
+The HTTP side only calls `prepare`, `submit`, `cancel` and `stats`, and receives
+plain events through the callback it passed; it never touches a tensor. Every state
+change of a job (accepted, admitted, preempted, finished or failed) is logged once
+with its job_id.
 """
 
 from __future__ import annotations
@@ -20,78 +23,63 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
-from llorch.engine.detokenizer import IncrementalDetokenizer
-from llorch.engine.kv_blocks import BlockPool
-from llorch.engine.request import (
-    End,
-    Error,
-    ErrorCode,
-    Event,
-    GenerationRequest,
-    Metrics,
-    Started,
-    StopReason,
-    TokenLogprob,
-    TokenText,
-)
+from llorch.engine.errors import DuplicateJob, QueueFull
+from llorch.engine.kv.blocks import BlockPool
+from llorch.engine.output import OutputProcessor, SequenceOutput
+from llorch.engine.prepare import FrontDoor
+from llorch.engine.request import ErrorCode, Event, GenerationRequest, PreparedJob, StopReason
 from llorch.engine.runner import ModelRunner, Segment
-from llorch.engine.sampler import make_generator, sample
+from llorch.engine.sampler import Sampled, SamplerState, sample_batch
 from llorch.engine.scheduler import Chunk, Scheduler
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
+from llorch.weights.chat_template import ChatTemplate
 from llorch.weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llorch.engine.config import EngineConfig
 
 log = logging.getLogger("llorch.engine")
 
-METRICS_INTERVAL_S = 1.0
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of what the engine holds and has done (for health checks, tests and benchmarks)."""
 
-@dataclass  # not frozen: raising sets __traceback__ on the instance
-class RequestRejected(Exception):
-    """A request that is well-formed but cannot be served as asked (a 400 naming the field)."""
-
-    field: str
-    constraint: str
-    message: str
-
-
-class DuplicateJob(Exception):
-    pass
-
-
-class QueueFull(Exception):
-    """The worker already holds as many queued jobs as it accepts (the HTTP side answers 503)."""
+    jobs_in_flight: int  # accepted and not yet ended
+    waiting: int  # in the queue (never admitted, or preempted)
+    running: int
+    kv_blocks_used: int  # held by jobs
+    kv_blocks_cached: int  # addressable by the prefix cache (held or reusable)
+    kv_bytes_used: int
+    kv_bytes_capacity: int
+    weights_bytes: int
+    prefix_cache_hit_tokens: int
+    preemptions: int
+    generated_tokens: int
 
 
 class Engine:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        tokenizer: Tokenizer,
-        model_name: str,
-        ctx_size: int,
-        max_running: int = 16,
-        telemetry: Telemetry | None = None,
-        request_timeout: float | None = None,
-        max_prompt_tokens: int | None = None,
-        max_queue: int = 64,
-        max_batch_tokens: int = 512,
-        prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, *, model_name: str,
+                 model_id: str, chat_template: ChatTemplate | None = None, telemetry: Telemetry | None = None) -> None:
+        assert config.ctx_size is not None, "build_engine resolves the context size"
         self.runner = runner
-        self.tokenizer = tokenizer
+        self.config = config
         self.model_name = model_name
-        self.ctx_size = ctx_size
+        self.model_id = model_id
+        self.ctx_size = config.ctx_size
         self.device = runner.device
-        self.blocks = BlockPool(runner.num_blocks, runner.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_running, max_batch_tokens)
-        self.max_queue = max_queue
+        self.front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens)
+        self.blocks = BlockPool(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_running, config.max_batch_tokens)
+        self.telemetry = telemetry or Telemetry()
+        self.output = OutputProcessor(tokenizer, model_name, self.telemetry, lambda: self.resident_bytes)
         self._queued = 0  # accepted jobs never admitted yet (guarded by _jobs_lock)
-        self.largest_batch = 0  # most jobs that shared one forward step so far
         self._arrivals = 0
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._jobs: dict[str, Sequence] = {}
@@ -99,17 +87,15 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="llorch-engine", daemon=True)
         self._stopping = threading.Event()
         self.failed: BaseException | None = None
-        self.request_timeout = request_timeout
-        self.max_prompt_tokens = max_prompt_tokens
-        self.telemetry = telemetry or Telemetry()
-        self.telemetry.queue_depth.set_function(lambda: len(self.scheduler.waiting))
-        self.telemetry.running.set_function(lambda: len(self.scheduler.running))
-        self.telemetry.kv_cache_bytes.set_function(lambda: self.blocks.used_blocks * runner.block_bytes)
-        self.telemetry.kv_cache_capacity_bytes.set_function(lambda: runner.kv_bytes)
-        self.telemetry.kv_cached_blocks.set_function(lambda: self.blocks.cached_blocks)
-        self.telemetry.weights_bytes.set_function(lambda: self.runner.weight_bytes)
+        t = self.telemetry
+        t.queue_depth.set_function(lambda: len(self.scheduler.waiting))
+        t.running.set_function(lambda: len(self.scheduler.running))
+        t.kv_cache_bytes.set_function(lambda: self.blocks.used_blocks * runner.kv.block_bytes)
+        t.kv_cache_capacity_bytes.set_function(lambda: runner.kv.bytes)
+        t.kv_cached_blocks.set_function(lambda: self.blocks.cached_blocks)
+        t.weights_bytes.set_function(lambda: runner.weight_bytes)
 
-    # -- called from the HTTP side --------------------------------------------------------
+    # -- the front door (called from the HTTP side) ---------------------------------------
     def start(self) -> None:
         self._thread.start()
 
@@ -122,54 +108,35 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failed is None
 
-    def prepare(self, request: GenerationRequest) -> list[int]:
-        """Tokenize the prompt and check it fits the context with its max_tokens."""
-        ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        self.check_fits(len(ids), request.max_tokens)
-        return ids
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes the weights and the KV pool hold on the device (the contract's vram_bytes)."""
+        return self.runner.resident_bytes
 
     @property
-    def max_sequence_tokens(self) -> int:
-        """The most prompt + generated tokens one job may ask for: the context, or the whole KV pool."""
-        return min(self.ctx_size, self.runner.tokens_per_pool)
+    def chat_template(self) -> ChatTemplate | None:
+        return self.front.chat_template
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
-            raise RequestRejected(
-                "prompt", f"<= {self.max_prompt_tokens} tokens",
-                f"the prompt is {prompt_tokens} tokens; this worker accepts at most {self.max_prompt_tokens}",
-            )
-        if prompt_tokens + max_tokens > self.ctx_size:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt_tokens + max_tokens <= {self.ctx_size}",
-                f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it exceeds "
-                f"the context size of {self.ctx_size} tokens",
-            )
-        if prompt_tokens + max_tokens > self.runner.tokens_per_pool:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt_tokens + max_tokens <= {self.runner.tokens_per_pool}",
-                f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it needs more KV cache "
-                f"than this worker's whole pool holds ({self.runner.tokens_per_pool} tokens, see --kv-cache-mb)",
-            )
+    def prepare(self, request: GenerationRequest) -> PreparedJob:
+        """Render, tokenize and size a request (raises RequestRejected naming the field)."""
+        return self.front.prepare(request)
 
-    def submit(self, request: GenerationRequest, prompt_ids: list[int], emit: Callable[[Event], None]) -> None:
+    def submit(self, job: PreparedJob, emit: Callable[[Event], None]) -> None:
         """Accept a job. Its events, starting with `started`, go to `emit` from the engine thread.
 
         Raises DuplicateJob for a job_id in flight, QueueFull when `max_queue` jobs already wait.
         """
+        request = job.request
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer.decode, self.tokenizer.byte_token_ids, self.tokenizer.special_ids)
+        output = SequenceOutput(self.front.tokenizer, request.stop)
         with self._jobs_lock:
             if request.job_id in self._jobs:
                 raise DuplicateJob(request.job_id)
-            if self._queued >= self.max_queue:
-                raise QueueFull(f"{self._queued} jobs are already waiting (--max-queue {self.max_queue})")
+            if self._queued >= self.config.max_queue:
+                raise QueueFull(f"{self._queued} jobs are already waiting (--max-queue {self.config.max_queue})")
             self._queued += 1
             self._arrivals += 1
-            seq = Sequence(request, prompt_ids, emit, detokenizer, seed, self._arrivals)
+            seq = Sequence(job, emit, output, seed, self._arrivals, self.runner.kv.block_size)
             self._jobs[request.job_id] = seq
         self._inbox.put(("submit", seq))
 
@@ -189,6 +156,19 @@ class Engine:
     def jobs_in_flight(self) -> int:
         with self._jobs_lock:
             return len(self._jobs)
+
+    def stats(self) -> EngineStats:
+        counter = self.telemetry.registry.get_sample_value
+        return EngineStats(
+            jobs_in_flight=self.jobs_in_flight, waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running), kv_blocks_used=self.blocks.used_blocks,
+            kv_blocks_cached=self.blocks.cached_blocks,
+            kv_bytes_used=self.blocks.used_blocks * self.runner.kv.block_bytes,
+            kv_bytes_capacity=self.runner.kv.bytes, weights_bytes=self.runner.weight_bytes,
+            prefix_cache_hit_tokens=int(counter("llorch_prefix_cache_hit_tokens_total") or 0),
+            preemptions=int(counter("llorch_preemptions_total") or 0),
+            generated_tokens=int(counter("llorch_generated_tokens_total") or 0),
+        )
 
     # -- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
@@ -210,17 +190,12 @@ class Engine:
             block = False
             if kind == "submit":
                 assert isinstance(payload, Sequence)
-                self.scheduler.add(payload)
-                self.telemetry.prompt_tokens.inc(len(payload.prompt_ids))
-                started_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-                self._emit(payload, Started(payload.job_id, self.model_name, started_at))
-                log.info("job accepted", extra={"job_id": payload.job_id, "seed": payload.seed,
-                                                "prompt_tokens": len(payload.prompt_ids),
-                                                "max_tokens": payload.request.max_tokens})
+                self._accepted(payload)
             elif kind == "cancel":
                 seq = self.scheduler.find(str(payload))
                 if seq is None:
                     continue
+                log.info("cancel requested", extra={"job_id": seq.job_id, "state": seq.state.value})
                 if seq.state is SequenceState.WAITING:
                     self._finish(seq, StopReason.CANCELLED)  # holds no blocks: nothing to wait for
                 else:
@@ -230,10 +205,8 @@ class Engine:
                     self._fail(seq, ErrorCode.CANCELLED, str(payload))
 
     def _step(self) -> None:
-        if self.request_timeout is not None:
-            self._expire(time.perf_counter() - self.request_timeout)
-        for seq in [s for s in self.scheduler.running if s.cancel_requested]:
-            self._finish(seq, StopReason.CANCELLED)
+        """schedule -> run -> process outputs."""
+        self._end_timed_out_and_cancelled()
         plan = self.scheduler.schedule()
         for seq in plan.admitted:
             self._admitted(seq)
@@ -243,47 +216,76 @@ class Engine:
         self.telemetry.prefix_cache_hit_tokens.inc(plan.prefix_hit_tokens)
         if not plan.chunks:
             return
-        self.largest_batch = max(self.largest_batch, len(plan.chunks))
         self.telemetry.batch_size.observe(len(plan.chunks))
         started = time.perf_counter()
-        for chunk, logits in self._forward(plan.chunks):
-            chunk.seq.num_computed += chunk.tokens
-            self.scheduler.register_full_blocks(chunk.seq)
-            if logits is not None:
-                try:
-                    self._accept_token(chunk.seq, logits)
-                except Exception as exc:  # one job's failure must not take down the others
-                    log.exception("sampling failed", extra={"job_id": chunk.seq.job_id})
-                    self._fail(chunk.seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
+        sampling, logits = self._run(plan.chunks)
+        if sampling:
+            self._process(sampling, logits)
         if all(chunk.tokens == 1 for chunk in plan.chunks):
             self.telemetry.time_per_output_token.observe(time.perf_counter() - started)
 
-    def _forward(self, chunks: list[Chunk]) -> list[tuple[Chunk, torch.Tensor | None]]:
-        """Run the step; each chunk with the logits its next token is sampled from (None: mid-prompt).
+    def _run(self, chunks: list[Chunk]) -> tuple[list[Sequence], Tensor]:
+        """One forward over the step's chunks: the sequences that sample now, and their logits rows.
 
         When the batched forward fails, each job is retried alone so only the failing one
         ends with an error (rewriting the same KV slots with the same values is harmless).
         """
         try:
-            return self._forward_batch(chunks)
+            return self._forward(chunks)
         except Exception as exc:
             if len(chunks) == 1:
                 self._fail_forward(chunks[0], exc)
-                return []
-        results = []
+                return [], torch.empty(0)
+        sampling: list[Sequence] = []
+        rows: list[Tensor] = []
         for chunk in chunks:
             try:
-                results.extend(self._forward_batch([chunk]))
+                seqs, logits = self._forward([chunk])
             except Exception as exc:
                 self._fail_forward(chunk, exc)
-        return results
+                continue
+            sampling.extend(seqs)
+            rows.append(logits)
+        return sampling, torch.cat(rows) if rows else torch.empty(0)
 
-    def _forward_batch(self, chunks: list[Chunk]) -> list[tuple[Chunk, torch.Tensor | None]]:
-        segments = [Segment(c.seq.token_ids[c.seq.num_computed : c.seq.num_computed + c.tokens],
-                            c.seq.num_computed, c.seq.block_table, c.completes) for c in chunks]
+    def _forward(self, chunks: list[Chunk]) -> tuple[list[Sequence], Tensor]:
+        segments = [Segment(c.seq.token_ids[c.seq.blocks.computed : c.seq.blocks.computed + c.tokens],
+                            c.seq.blocks.computed, c.seq.blocks.blocks, c.completes) for c in chunks]
+        sampling = [c.seq for c in chunks if c.completes]
         logits = self.runner.forward(segments)
-        rows = iter(logits)
-        return [(c, next(rows) if c.completes else None) for c in chunks]
+        for chunk in chunks:
+            self.scheduler.computed(chunk)
+        return sampling, logits
+
+    def _process(self, sampling: list[Sequence], logits: Tensor) -> None:
+        """Every sampling row's token in one go, then each job's output stage."""
+        states = [seq.sampler for seq in sampling]
+        assert all(state is not None for state in states)
+        try:
+            tokens = sample_batch(logits, states, [seq.request.logprobs for seq in sampling])  # type: ignore[arg-type]
+        except Exception:  # find the row that fails, so only its job ends
+            tokens = [self._sample_alone(seq, logits[i : i + 1]) for i, seq in enumerate(sampling)]
+        for seq, sampled in zip(sampling, tokens, strict=True):
+            if sampled is None:
+                continue
+            try:
+                reason = self.output.accept(seq, sampled)
+                if reason is None:
+                    seq.sampler.accept(sampled.token_id)  # type: ignore[union-attr]
+            except Exception as exc:  # one job's failure must not take down the others
+                log.exception("output failed", extra={"job_id": seq.job_id})
+                self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
+                continue
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _sample_alone(self, seq: Sequence, logits: Tensor) -> Sampled | None:
+        try:
+            return sample_batch(logits, [seq.sampler], [seq.request.logprobs])[0]  # type: ignore[list-item]
+        except Exception as exc:
+            log.exception("sampling failed", extra={"job_id": seq.job_id})
+            self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
+            return None
 
     def _fail_forward(self, chunk: Chunk, exc: Exception) -> None:
         if isinstance(exc, torch.OutOfMemoryError):
@@ -292,107 +294,51 @@ class Engine:
         log.error("step failed", exc_info=exc, extra={"job_id": chunk.seq.job_id})
         self._fail(chunk.seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
 
-    def _expire(self, accepted_before: float) -> None:
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.accepted_at < accepted_before:
-                self._fail(seq, ErrorCode.TIMEOUT, f"the job ran past the request timeout of "
-                                                    f"{self.request_timeout:g} s")
+    def _end_timed_out_and_cancelled(self) -> None:
+        timeout = self.config.request_timeout
+        if timeout is not None:
+            accepted_before = time.perf_counter() - timeout
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                if seq.accepted_at < accepted_before:
+                    self._fail(seq, ErrorCode.TIMEOUT, f"the job ran past the request timeout of {timeout:g} s")
+        for seq in [s for s in self.scheduler.running if s.cancel_requested]:
+            self._finish(seq, StopReason.CANCELLED)
+
+    # -- job state changes ----------------------------------------------------------------
+    def _accepted(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        self.telemetry.prompt_tokens.inc(len(seq.prompt_ids))
+        self.output.started(seq)
+        log.info("job accepted", extra={"job_id": seq.job_id, "seed": seq.seed, "prompt_tokens": len(seq.prompt_ids),
+                                        "max_tokens": seq.max_tokens})
 
     def _admitted(self, seq: Sequence) -> None:
-        """First admission: the job's sampler state (kept across preemptions)."""
+        """Waiting -> running. The first admission builds the job's sampler (kept across preemptions)."""
         if seq.admitted:
+            log.info("job resumed", extra={"job_id": seq.job_id, "tokens": seq.length})
             return
         seq.admitted = True
         with self._jobs_lock:
             self._queued -= 1
-        seq.decode_started = seq.last_metrics = time.perf_counter()
-        seq.generator = make_generator(seq.seed, self.device)
-        seq.seen = torch.empty(seq.capacity, dtype=torch.long, device=self.device)
-        seq.seen[: len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids, dtype=torch.long, device=self.device)
-        sampling = seq.request.sampling
-        if sampling.presence_penalty or sampling.frequency_penalty:
-            seq.generated_counts = torch.zeros(self.runner.config.vocab_size, device=self.device)
-
-    def _accept_token(self, seq: Sequence, logits: torch.Tensor) -> None:
-        assert seq.seen is not None
-        token = sample(logits, seq.request.sampling, seq.seen[: seq.length], seq.generator, seq.generated_counts)
-        token_id = int(token)  # the sampled id is the only value that leaves the device
-        self.telemetry.generated_tokens.inc()
-        if not seq.output_ids:
-            self.telemetry.time_to_first_token.observe(time.perf_counter() - seq.accepted_at)
-        if seq.request.logprobs is not None:
-            self._emit_logprob(seq, logits, token_id)
-        if token_id in self.tokenizer.eos_token_ids:
-            self._finish(seq, StopReason.EOS)
-            return
-        seq.seen[seq.length] = token
-        if seq.generated_counts is not None:
-            seq.generated_counts[token] += 1
-        seq.append(token_id)
-        self._emit_text(seq, seq.stop_matcher.feed(seq.detokenizer.add(token_id)))
-        if seq.stop_matcher.matched is not None:
-            self._finish(seq, StopReason.STOP_SEQUENCE)
-        elif len(seq.output_ids) >= seq.request.max_tokens:
-            self._finish(seq, StopReason.MAX_TOKENS)
-        elif time.perf_counter() - seq.last_metrics >= METRICS_INTERVAL_S:
-            self._emit_metrics(seq)
-
-    def _emit_logprob(self, seq: Sequence, logits: torch.Tensor, token_id: int) -> None:
-        """Log-probabilities of the model's own distribution (before sampling filters).
-
-        Only requested by the OpenAI API; a handful of floats leave the device per token.
-        """
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top_k = seq.request.logprobs or 0
-        values, ids = torch.topk(logprobs, top_k) if top_k else (logprobs[:0], logprobs[:0].long())
-        decode = self.tokenizer.token_text
-        top = tuple((int(i), decode(int(i)), float(v)) for v, i in zip(values.tolist(), ids.tolist(), strict=True))
-        self._emit(seq, TokenLogprob(token_id, decode(token_id), float(logprobs[token_id]), top))
-
-    def _emit_text(self, seq: Sequence, text: str) -> None:
-        if text:
-            self._emit(seq, TokenText(text, seq.events_sent))
-            seq.events_sent += 1
-
-    def _emit_metrics(self, seq: Sequence) -> None:
-        seq.last_metrics = time.perf_counter()
-        elapsed = max(seq.last_metrics - seq.decode_started, 1e-9)
-        self._emit(seq, Metrics(round(len(seq.output_ids) / elapsed, 2), self.runner.resident_bytes))
+        seq.sampler = SamplerState(seq.request.sampling, seq.seed, seq.prompt_ids, self.runner.config.vocab_size,
+                                   self.device)
+        self.output.decoding(seq)
+        log.info("job admitted", extra={"job_id": seq.job_id, "prefix_cached_tokens": seq.blocks.computed})
 
     def _finish(self, seq: Sequence, reason: StopReason) -> None:
-        if seq.admitted and reason is not StopReason.CANCELLED:
-            # Text held back for an unfinished character or a possible stop sequence.
-            self._emit_text(seq, seq.stop_matcher.feed(seq.detokenizer.flush()))
-            if seq.stop_matcher.matched is not None:
-                reason = StopReason.STOP_SEQUENCE
-            self._emit_text(seq, seq.stop_matcher.flush())
-            self._emit_metrics(seq)
-        elapsed_ms = (time.perf_counter() - seq.decode_started) * 1000 if seq.decode_started else 0.0
-        end = End(len(seq.output_ids), round(elapsed_ms, 3), reason, seq.stop_matcher.matched)
         self._release(seq)
-        self.telemetry.requests.labels(outcome=reason.value.lower()).inc()
-        self._emit(seq, end)
-        log.info("job finished", extra={"job_id": seq.job_id, "stop_reason": reason.value,
-                                        "tokens_out": end.tokens_out, "decode_time_ms": end.decode_time_ms})
+        self.output.finish(seq, reason)
 
     def _fail(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         self._release(seq)
-        self.telemetry.requests.labels(outcome=f"error_{code.value.lower()}").inc()
-        self._emit(seq, Error(code, message))
-        log.error("job failed", extra={"job_id": seq.job_id, "code": code.value, "error": message})
+        self.output.fail(seq, code, message)
 
     def _release(self, seq: Sequence) -> None:
         """Free the job's blocks and forget it (its terminal event follows)."""
-        seq.seen = seq.generator = seq.generated_counts = None
+        seq.sampler = None
         seq.state = SequenceState.FINISHED
         self.scheduler.remove(seq)
         with self._jobs_lock:
             self._jobs.pop(seq.job_id, None)
             if not seq.admitted:
                 self._queued -= 1
-
-    def _emit(self, seq: Sequence, event: Event) -> None:
-        try:
-            seq.emit(event)
-        except Exception:  # a consumer that went away must not break the engine
-            log.warning("event sink failed", extra={"job_id": seq.job_id, "event": event.type})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -26,15 +26,33 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """What an API asks the engine for: a prompt as text, or chat messages to render first."""
+
     job_id: str
-    prompt: str
-    max_tokens: int
+    prompt: str | None
+    # None: generate to an end-of-generation token or the end of the context.
+    max_tokens: int | None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     # Report the chosen token's log-probability and this many top alternatives (None: off).
     logprobs: int | None = None
     # False for prompts that already carry their special tokens (rendered chat templates).
     add_special_tokens: bool = True
+    # Chat messages ({"role", "content"}), rendered through the model's chat template instead of `prompt`.
+    messages: tuple[dict[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """A request the engine has tokenized and checked (Engine.prepare): ready to submit."""
+
+    request: GenerationRequest
+    prompt_ids: tuple[int, ...]
+    max_tokens: int  # resolved: the request's, or what the context leaves
+
+    def for_choice(self, job_id: str, sampling: SamplingParams) -> PreparedJob:
+        """The same prompt as another job (one of an OpenAI request's n choices)."""
+        return replace(self, request=replace(self.request, job_id=job_id, sampling=sampling))
 
 
 class StopReason(str, Enum):
@@ -48,7 +66,6 @@ class ErrorCode(str, Enum):
     VRAM_OOM = "VRAM_OOM"
     CANCELLED = "CANCELLED"
     TIMEOUT = "TIMEOUT"
-    INVALID_REQUEST = "INVALID_REQUEST"
     INFERENCE_FAILED = "INFERENCE_FAILED"
 
 

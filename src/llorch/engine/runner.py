@@ -1,26 +1,23 @@
-"""The model runner: the KV pool's memory and batched forward passes on the worker's device.
+"""The model runner: batched forward passes over the KV pool, on the worker's device.
 
-The pool is allocated once, at start-up, with the budget the operator gave; the
-engine's BlockPool decides which blocks each sequence uses. Every tensor the runner
-creates lives on the worker's device, and the residency guard checks them; the
-only values that leave the device are the sampled token ids (in the engine).
+The pool (engine.kv.pool) is allocated once, at start-up; the scheduler decides which
+blocks each sequence uses. Every tensor the runner creates lives on the worker's
+device, and the residency guard checks them; the only values that leave the device
+are the sampled token ids (in the sampler).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from llorch.device import assert_module_resident, assert_resident, tensor_bytes
-from llorch.engine.kv_blocks import NULL_BLOCK
-from llorch.models.config import ModelConfig
+from llorch.device import assert_module_resident, tensor_bytes
+from llorch.engine.kv.block_table import slots_of
+from llorch.engine.kv.pool import KVPool
 from llorch.models.decoder import Decoder
-from llorch.models.paged import SegmentSpec, allocate_kv, build_step
-
-BLOCK_SIZE = 16  # tokens per KV block: the unit of allocation and of prefix sharing
+from llorch.models.paged import SegmentSpec, build_step
 
 
 @dataclass(frozen=True)
@@ -34,43 +31,19 @@ class Segment:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, kv_cache_bytes: int,
-                 block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, kv_cache_bytes: int) -> None:
         self.model = model
         self.config = model.config
         self.device = device
         self.dtype = dtype
-        self.block_size = block_size
         assert_module_resident(device, model)
         self.weight_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
-        self.block_bytes = self.bytes_per_block(model.config, dtype, block_size)
-        self.num_blocks = kv_cache_bytes // self.block_bytes
-        if self.num_blocks < 2:
-            raise ValueError("the KV cache budget is smaller than two blocks")
-        self.kv = allocate_kv(self.config, self.num_blocks * block_size, dtype, device)
-        null = slice(NULL_BLOCK * block_size, (NULL_BLOCK + 1) * block_size)
-        for layer in self.kv:  # padding reads the null block: it must hold finite numbers
-            layer.keys[null].zero_()
-            layer.values[null].zero_()
-        assert_resident(device, [item for i, layer in enumerate(self.kv) for item in
-                                 ((f"kv.{i}.keys", layer.keys), (f"kv.{i}.values", layer.values))])
-        self.kv_bytes = tensor_bytes(t for layer in self.kv for t in (layer.keys, layer.values))
-        self._block_offsets = np.arange(block_size, dtype=np.int64)
-
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> int:
-        element = torch.empty(0, dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element * block_size
+        self.kv = KVPool(self.config, device, dtype, kv_cache_bytes)
 
     @property
     def resident_bytes(self) -> int:
         """Bytes the model and its KV pool hold on the device (the contract's vram_bytes)."""
-        return self.weight_bytes + self.kv_bytes
-
-    @property
-    def tokens_per_pool(self) -> int:
-        """Tokens the pool can hold at once (the padding block excluded)."""
-        return (self.num_blocks - 1) * self.block_size
+        return self.weight_bytes + self.kv.bytes
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> Tensor:
@@ -81,12 +54,10 @@ class ModelRunner:
         specs, ids, logit_rows, row = [], [], [], 0
         for seg in segments:
             end = seg.start + len(seg.token_ids)
-            table = np.asarray(seg.block_table, dtype=np.int64)
-            slots = (table[:, None] * self.block_size + self._block_offsets).reshape(-1)[:end]
-            specs.append(SegmentSpec(seg.start, len(seg.token_ids), slots))
+            specs.append(SegmentSpec(seg.start, len(seg.token_ids), slots_of(seg.block_table, self.kv.block_size, end)))
             ids.extend(seg.token_ids)
             row += len(seg.token_ids)
             if seg.wants_logits:
                 logit_rows.append(row - 1)
-        batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=NULL_BLOCK * self.block_size)
-        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv)
+        batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=self.kv.pad_slot)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv.layers)

@@ -1,28 +1,86 @@
-"""Next-token choice from one sequence's logits, on the device.
+"""Next-token choice for a whole step's rows, on the device, with one host transfer.
 
-Order: repetition penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, then a draw from the
-sequence's own seeded generator. Temperature 0 is greedy. Only the chosen id
-leaves the device (as a 0-d tensor the engine turns into an int).
+Per row, in order: repetition penalty, presence/frequency penalties, temperature,
+top-k, top-p, min-p, then a draw. Temperature 0 is greedy (argmax).
+
+Each sequence owns a SamplerState: its parameters, its own random stream and the
+history its penalties need. The random stream is a counter-based generator on the
+host (Philox, keyed by the job's seed) that gives one uniform number per drawn
+token; the draw is the inverse CDF of the row's filtered distribution at that
+number. So a row's token depends on its own logits and its own stream only: the
+same seed gives the same tokens alone or in any batch, and no per-row generator
+object has to live on the device. Everything else runs row by row on the device,
+and the chosen ids (with any requested log-probabilities) leave it in one transfer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from llorch.engine.request import SamplingParams
 
-
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    # torch seeds are signed 64-bit; fold the uint64 seed into that range losslessly.
-    generator.manual_seed(seed - (1 << 64) if seed >= 1 << 63 else seed)
-    return generator
+# A draw lands strictly below the total mass, whatever float32 rounding does to u * total.
+_BELOW_ONE = 1.0 - 2.0**-20
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+class SamplerState:
+    """One sequence's sampler: parameters, random stream, and the history penalties read."""
+
+    def __init__(self, params: SamplingParams, seed: int, prompt_ids: Sequence[int], vocab_size: int,
+                 device: torch.device) -> None:
+        self.params = params
+        self.device = device
+        self._stream = np.random.Generator(np.random.Philox(seed))
+        # Repetition penalty: every id in the context (prompt and output), grown as tokens come.
+        self._seen: Tensor | None = None
+        self._seen_count = 0
+        if params.repetition_penalty != 1.0:
+            self._seen = torch.empty(max(64, 2 * len(prompt_ids)), dtype=torch.long, device=device)
+            self._seen[: len(prompt_ids)] = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+            self._seen_count = len(prompt_ids)
+        # Presence/frequency penalties: how often each id was generated (the prompt does not count).
+        self.counts: Tensor | None = None
+        if params.presence_penalty or params.frequency_penalty:
+            self.counts = torch.zeros(vocab_size, device=device)
+
+    @property
+    def seen(self) -> Tensor | None:
+        return None if self._seen is None else self._seen[: self._seen_count]
+
+    def uniform(self) -> float:
+        """The next number of this sequence's random stream, in [0, 1)."""
+        return float(self._stream.random())
+
+    def accept(self, token_id: int) -> None:
+        """Record a generated token in the history the penalties read."""
+        if self._seen is not None:
+            if self._seen_count == len(self._seen):
+                grown = torch.empty(2 * len(self._seen), dtype=torch.long, device=self.device)
+                grown[: self._seen_count] = self._seen
+                self._seen = grown
+            self._seen[self._seen_count] = token_id
+            self._seen_count += 1
+        if self.counts is not None:
+            self.counts[token_id] += 1
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A chosen token, with its log-probability and the top alternatives when they were asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor | None, penalty: float) -> Tensor:
     """Make tokens already in the context less (penalty > 1) or more (< 1) likely."""
-    if penalty == 1.0 or seen.numel() == 0:
+    if penalty == 1.0 or seen is None or seen.numel() == 0:
         return logits
     picked = logits.gather(0, seen)
     logits = logits.clone()
@@ -38,9 +96,11 @@ def apply_presence_frequency(logits: Tensor, counts: Tensor | None, params: Samp
 
 
 def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The distribution a sampled token is drawn from, after temperature and filters."""
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
+    """The distribution a sampled token is drawn from (1-d), after temperature and filters."""
+    logits = logits.float()
+    # Shifted by the maximum first, so a tiny temperature gives -inf, never inf - inf = NaN.
+    logits = (logits - logits.max()) / params.temperature
+    if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -56,16 +116,61 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs / probs.sum()
 
 
-def sample(
-    logits: Tensor,
-    params: SamplingParams,
-    seen: Tensor,
-    generator: torch.Generator | None,
-    generated_counts: Tensor | None = None,
-) -> Tensor:
-    """One token id (0-d tensor on the device) from 1-d `logits` over the vocabulary."""
-    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    logits = apply_presence_frequency(logits, generated_counts, params)
-    if params.greedy:
-        return torch.argmax(logits)
-    return torch.multinomial(filtered_probs(logits, params), 1, generator=generator)[0]
+def penalized(logits: Tensor, state: SamplerState) -> Tensor:
+    """One row's logits after the penalties its parameters ask for."""
+    logits = apply_repetition_penalty(logits, state.seen, state.params.repetition_penalty)
+    return apply_presence_frequency(logits, state.counts, state.params)
+
+
+def draw(probs: Tensor, uniform: float) -> Tensor:
+    """The token (0-d tensor) where the cumulative distribution first passes `uniform` of its mass."""
+    cumulative = torch.cumsum(probs, dim=-1)
+    target = cumulative[-1:] * (uniform * _BELOW_ONE)
+    return torch.searchsorted(cumulative, target, right=True)[0].clamp_(max=probs.numel() - 1)
+
+
+def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Sequence[int | None] = ()) -> list[Sampled]:
+    """One token per row of `logits` [R, vocab], row i drawn with `states[i]`.
+
+    `logprobs[i]` (when given and not None) asks for row i's chosen-token log-probability
+    under the model's own distribution (before penalties and filters) and that many
+    top alternatives.
+    """
+    rows = logits.shape[0]
+    wanted = list(logprobs) + [None] * (rows - len(logprobs))
+    greedy = [s.params.greedy for s in states]
+    chosen: list[Tensor] = []
+    plain_greedy = [i for i in range(rows) if greedy[i] and _unpenalized(states[i])]
+    argmax = logits[plain_greedy].argmax(dim=-1) if plain_greedy else None
+    by_row = dict(zip(plain_greedy, argmax if argmax is not None else [], strict=True))
+    for i, state in enumerate(states):
+        if i in by_row:
+            chosen.append(by_row[i])
+            continue
+        row = penalized(logits[i], state)
+        chosen.append(row.argmax() if greedy[i] else draw(filtered_probs(row, state.params), state.uniform()))
+    ids = torch.stack(chosen)
+    extras: list[Tensor] = []
+    for i, k in enumerate(wanted):
+        if k is None:
+            continue
+        row_logprobs = torch.log_softmax(logits[i].float(), dim=-1)
+        values, top_ids = torch.topk(row_logprobs, k) if k else (row_logprobs[:0], row_logprobs[:0].long())
+        extras.extend([row_logprobs[ids[i]].reshape(1), values, top_ids.to(row_logprobs.dtype)])
+    # The one transfer: ids (exact in float64) and every requested log-probability.
+    host = torch.cat([ids.to(torch.float64), *(e.to(torch.float64) for e in extras)]).tolist()
+    results, at = [], rows
+    for i in range(rows):
+        token = int(host[i])
+        k = wanted[i]
+        if k is None:
+            results.append(Sampled(token))
+            continue
+        logprob, values, top = host[at], host[at + 1 : at + 1 + k], host[at + 1 + k : at + 1 + 2 * k]
+        at += 1 + 2 * k
+        results.append(Sampled(token, logprob, tuple((int(t), v) for t, v in zip(top, values, strict=True))))
+    return results
+
+
+def _unpenalized(state: SamplerState) -> bool:
+    return state.seen is None and state.counts is None

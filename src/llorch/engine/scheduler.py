@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from llorch.engine.kv_blocks import BlockPool
+from llorch.engine.kv.blocks import BlockPool
 from llorch.engine.sequence import Sequence, SequenceState
 
 
@@ -87,7 +87,7 @@ class Scheduler:
             tokens = 1 if seq.pending == 1 else min(seq.pending, budget)
             if tokens == 0:
                 continue
-            if not self._grow(seq, seq.num_computed + tokens, plan):
+            if not self._grow(seq, seq.blocks.computed + tokens, plan):
                 continue
             (singles if tokens == 1 else prompts).append(Chunk(seq, tokens))
             if seq.pending > 1:
@@ -103,21 +103,22 @@ class Scheduler:
             seq = self.waiting[0]
             # At least the last known token is computed: its logits give the next token.
             reusable = (seq.length - 1) // size
-            hits = self.blocks.lookup(seq.block_hashes(size)[:reusable])
+            hits = self.blocks.lookup(seq.block_hashes()[:reusable])
             fresh = self.blocks.blocks_for(seq.length) - len(hits)
             headroom = len(self.running)  # one block for each running sequence's next token
             if self.blocks.free_blocks - self.blocks.free_among(hits) < fresh + headroom:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.blocks.take(hits)
-            seq.block_table = list(hits)
+            table = seq.blocks
+            table.blocks = list(hits)
             for _ in range(fresh):
                 block = self.blocks.allocate()
                 assert block is not None
-                seq.block_table.append(block)
-            seq.registered_blocks = len(hits)
-            seq.num_computed = len(hits) * size
-            plan.prefix_hit_tokens += seq.num_computed
+                table.blocks.append(block)
+            table.registered = len(hits)
+            table.computed = len(hits) * size
+            plan.prefix_hit_tokens += table.computed
             seq.state = SequenceState.RUNNING
             self.running.append(seq)
             plan.admitted.append(seq)
@@ -128,7 +129,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, tokens: int, plan: StepPlan) -> bool:
         """Blocks for `tokens` tokens of `seq`, preempting newer sequences if need be (False: seq itself)."""
-        while len(seq.block_table) < self.blocks.blocks_for(tokens):
+        while len(seq.blocks.blocks) < self.blocks.blocks_for(tokens):
             block = self.blocks.allocate()
             if block is None:
                 victim = self.running[-1]
@@ -137,7 +138,7 @@ class Scheduler:
                 if victim is seq:
                     return False
                 continue
-            seq.block_table.append(block)
+            seq.blocks.blocks.append(block)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -147,16 +148,15 @@ class Scheduler:
         self.add(seq)
 
     def _release_blocks(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = seq.registered_blocks = 0
+        self.blocks.release(seq.blocks.clear())
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Offer the sequence's newly completed blocks to the prefix cache."""
-        size = self.blocks.block_size
-        full = seq.num_computed // size
-        if full > seq.registered_blocks:
-            hashes = seq.block_hashes(size)
-            for i in range(seq.registered_blocks, full):
-                self.blocks.register(seq.block_table[i], hashes[i])
-            seq.registered_blocks = full
+    def computed(self, chunk: Chunk) -> None:
+        """The chunk's tokens are in the KV cache now: offer newly completed blocks to the prefix cache."""
+        table = chunk.seq.blocks
+        table.computed += chunk.tokens
+        full = table.computed // self.blocks.block_size
+        if full > table.registered:
+            hashes = chunk.seq.block_hashes()
+            for i in range(table.registered, full):
+                self.blocks.register(table.blocks[i], hashes[i])
+            table.registered = full

@@ -23,7 +23,7 @@ class Telemetry:
             "llorch_time_per_output_token_seconds", "Engine time per generated token after the first",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("llorch_batch_size", "Jobs sharing each forward step",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+                                    buckets=(*range(1, 17), 24, 32, 48, 64), registry=r)
         self.queue_depth = Gauge("llorch_queue_depth", "Jobs accepted and waiting for a slot", registry=r)
         self.running = Gauge("llorch_running_jobs", "Jobs being generated", registry=r)
         self.kv_cache_bytes = Gauge("llorch_kv_cache_bytes", "Bytes of KV pool blocks held by jobs", registry=r)

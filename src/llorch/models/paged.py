@@ -1,9 +1,9 @@
-"""The KV cache as a pool of slots, and the layout of one batched forward step over it.
+"""The layout of one batched forward step over a KV cache of slots.
 
-Every layer stores keys and values as `[slots, kv_heads, head_dim]`. A sequence's
-tokens live in slots scattered over the pool (the engine hands out blocks of
-slots); a step says, for every new token, which slot it writes, and for every
-sequence, which slots its queries read.
+Every layer stores keys and values as `[slots, kv_heads, head_dim]` (LayerKV; the
+engine allocates them, see llorch.engine.kv). A sequence's tokens live in slots
+scattered over the pool; a step says, for every new token, which slot it writes,
+and for every sequence, which slots its queries read.
 
 One step carries the new tokens of many sequences flattened into N rows: every
 linear layer runs once over all N rows, and attention runs per group. A group is
@@ -31,14 +31,6 @@ class LayerKV:
     def __init__(self, keys: Tensor, values: Tensor) -> None:
         self.keys = keys
         self.values = values
-
-
-def allocate_kv(config: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device,
-                zeroed: bool = False) -> list[LayerKV]:
-    shape = (slots, config.num_kv_heads, config.head_dim)
-    make = torch.zeros if zeroed else torch.empty  # empty: untouched pages cost no RSS
-    return [LayerKV(make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)]
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     chat_template: str | None = None  # jinja2 source, when the model ships one
+    quantized: bool = False  # GGUF matrices held as quantized blocks for the CPU kernels
 
     @property
     def model_id(self) -> str:
@@ -122,8 +123,9 @@ def load_model(
             source.cache.write_q8_weights(dtype, model.state_dict())
     log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3),
                                      "cached": from_cache})
+    quantized = any(tensor.dtype == torch.int8 for tensor in model.buffers())
     return LoadedModel(name=source.name, path=path, config=source.config, model=model, tokenizer=source.tokenizer,
-                       dtype=dtype, chat_template=source.chat_template)
+                       dtype=dtype, chat_template=source.chat_template, quantized=quantized)
 
 
 def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:

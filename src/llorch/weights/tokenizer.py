@@ -97,10 +97,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
-
 
 def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
     """The tokenizer a GGUF file describes, from the on-disk cache when it was built before."""

@@ -1,10 +1,9 @@
 """Bookkeeping of the paged KV pool: which blocks are free, who holds which, which prefixes are cached.
 
-The pool's tensors live in the model runner; this module only hands out block
-numbers. A sequence owns a block table (its blocks in position order). Full blocks
-are addressed by a hash of every token from the start of the sequence up to the
-block's end, so two prompts that share a prefix share those blocks (reference
-counted). A block whose last holder finished stays cached until its memory is
+The pool's tensors live in pool.py; this module only hands out block numbers. A
+sequence owns a block table (its blocks in position order). Full blocks are
+addressed by their prefix hash (prefix.py), so two prompts that share a prefix
+share those blocks (reference counted). A block whose last holder finished stays cached until its memory is
 needed: free blocks without a hash are handed out first, then cached ones, least
 recently released first.
 
@@ -13,17 +12,10 @@ Block 0 is never handed out: the runner keeps it zeroed and pads gathers with it
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
 NULL_BLOCK = 0
-
-
-def chain_hash(parent: bytes, tokens: Iterable[int]) -> bytes:
-    """The address of a full block: its tokens and, through `parent`, every token before them."""
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockPool:

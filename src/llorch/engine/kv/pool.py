@@ -1,0 +1,60 @@
+"""The KV pool's memory: every layer's keys and values, allocated once on the worker's device.
+
+The pool is cut into blocks of BLOCK_SIZE token slots; blocks.py decides which
+sequence uses which. Block 0 (NULL_BLOCK) is kept zeroed: padded attention reads it,
+so it must hold finite numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llorch.device import assert_resident, tensor_bytes
+from llorch.engine.kv.blocks import NULL_BLOCK
+from llorch.models.config import ModelConfig
+from llorch.models.paged import LayerKV
+
+BLOCK_SIZE = 16  # tokens per KV block: the unit of allocation and of prefix sharing
+
+
+def allocate_kv(config: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device,
+                zeroed: bool = False) -> list[LayerKV]:
+    """Keys and values of `slots` token slots for every layer: [slots, kv_heads, head_dim] each."""
+    shape = (slots, config.num_kv_heads, config.head_dim)
+    make = torch.zeros if zeroed else torch.empty  # empty: untouched pages cost no RSS
+    return [LayerKV(make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)]
+
+
+def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> int:
+    element = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element * block_size
+
+
+class KVPool:
+    """`num_blocks` blocks of `block_size` slots for every layer, on `device`."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, budget_bytes: int,
+                 block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.block_bytes = bytes_per_block(config, dtype, block_size)
+        self.num_blocks = budget_bytes // self.block_bytes
+        if self.num_blocks < 2:
+            raise ValueError("the KV cache budget is smaller than two blocks")
+        self.layers = allocate_kv(config, self.num_blocks * block_size, dtype, device)
+        null = slice(NULL_BLOCK * block_size, (NULL_BLOCK + 1) * block_size)
+        for layer in self.layers:
+            layer.keys[null].zero_()
+            layer.values[null].zero_()
+        assert_resident(device, [item for i, layer in enumerate(self.layers) for item in
+                                 ((f"kv.{i}.keys", layer.keys), (f"kv.{i}.values", layer.values))])
+        self.bytes = tensor_bytes(t for layer in self.layers for t in (layer.keys, layer.values))
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the pool can hold at once (the padding block excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def pad_slot(self) -> int:
+        return NULL_BLOCK * self.block_size

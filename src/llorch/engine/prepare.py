@@ -1,0 +1,73 @@
+"""The engine's front door: a request becomes a PreparedJob, or a RequestRejected naming the field.
+
+Both APIs come in here: chat messages are rendered through the chat template into a
+prompt, the prompt is tokenized, and the job is checked against the prompt limit,
+the context and the KV pool. Nothing else tokenizes or sizes a job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llorch.engine.errors import RequestRejected
+from llorch.engine.request import GenerationRequest, PreparedJob
+from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
+from llorch.weights.tokenizer import Tokenizer
+
+
+class FrontDoor:
+    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, ctx_size: int, pool_tokens: int,
+                 max_prompt_tokens: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.ctx_size = ctx_size
+        self.pool_tokens = pool_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most prompt + generated tokens one job may hold: the context, or the whole KV pool."""
+        return min(self.ctx_size, self.pool_tokens)
+
+    def prepare(self, request: GenerationRequest) -> PreparedJob:
+        if request.messages is not None:
+            prompt, add_special = self.render_chat(request.messages), False  # the template spells BOS itself
+        elif request.prompt is not None:
+            prompt, add_special = request.prompt, request.add_special_tokens
+        else:
+            raise RequestRejected("prompt", "required", "a job needs a prompt or chat messages")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        max_tokens = request.max_tokens
+        if max_tokens is None:  # as much as the context leaves
+            max_tokens = max(1, self.max_sequence_tokens - len(ids))
+        self.check_fits(len(ids), max_tokens)
+        prepared = replace(request, prompt=prompt, add_special_tokens=add_special, messages=None)
+        return PreparedJob(prepared, tuple(ids), max_tokens)
+
+    def render_chat(self, messages: tuple[dict[str, object], ...]) -> str:
+        if self.chat_template is None:
+            raise RequestRejected("messages", "a chat template", "this model has no chat template; use "
+                                  "/v1/completions or start the worker with --chat-template-file",
+                                  code="chat_template_missing")
+        try:
+            return self.chat_template.render(list(messages))
+        except ChatTemplateError as exc:
+            raise RequestRejected("messages", "renders with the chat template", str(exc)) from exc
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            raise RequestRejected(
+                "prompt", f"<= {self.max_prompt_tokens} tokens",
+                f"the prompt is {prompt_tokens} tokens; this worker accepts at most {self.max_prompt_tokens}",
+                code="prompt_too_long")
+        if prompt_tokens + max_tokens > self.ctx_size:
+            raise RequestRejected(
+                "max_tokens", f"prompt_tokens + max_tokens <= {self.ctx_size}",
+                f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it exceeds "
+                f"the context size of {self.ctx_size} tokens", code="context_length_exceeded")
+        if prompt_tokens + max_tokens > self.pool_tokens:
+            raise RequestRejected(
+                "max_tokens", f"prompt_tokens + max_tokens <= {self.pool_tokens}",
+                f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it needs more KV cache "
+                f"than this worker's whole pool holds ({self.pool_tokens} tokens, see --kv-cache-mb)",
+                code="context_length_exceeded")
