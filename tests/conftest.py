@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 try:  # Python 3.11+
     import tomllib
@@ -82,7 +83,7 @@ def ours(model_path: Path) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def served(model_path: Path) -> LoadedModel:
-    """Our model as the CPU worker serves it by default: GGUF matrices kept as int8 blocks."""
+    """Our model as the CPU worker serves it by default: GGUF matrices in the file's own blocks, run by the C step."""
     return load_model(model_path, torch.device("cpu"), torch.float32, keep_quantized=True)
 
 
@@ -100,6 +101,20 @@ def reference(model_path: Path) -> Reference:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path.parent, **kwargs)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path.parent, dtype=torch.float32, **kwargs)
     return Reference(model=model.eval(), tokenizer=tokenizer)
+
+
+# llama.cpp's mean KL divergence against the default model's file dequantized in float32,
+# measured on 256 tokens of English licence text on 2026-11-23 (the issue that set the
+# goal): ours must stay at or below it.
+LLAMA_CPP_KL = 0.0063
+
+
+def english_text() -> str:
+    """Real English prose that ships with every CPython: its licence."""
+    import sys
+
+    return Path(sys.base_prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}",
+                "LICENSE.txt").read_text(encoding="utf-8")
 
 
 def run_worker_to_exit(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -124,6 +139,26 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     live = start_worker(tmp_path_factory.mktemp("worker"))
     yield live
     stop_worker(live)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random Hugging Face directory per architecture, built once per test session."""
+    from model_zoo import ARCHITECTURES, build_hf_model, train_tokenizer
+
+    root = tmp_path_factory.mktemp("zoo")
+    tokenizer = train_tokenizer()
+    return {name: build_hf_model(arch, root / name, tokenizer) for name, arch in ARCHITECTURES.items()}
+
+
+def exported(zoo: dict[str, Path], arch: str, qtype: GGMLQuantizationType) -> Path:
+    """The zoo's `arch` model as a GGUF file of `qtype` (written once per session)."""
+    from model_zoo import export_gguf
+
+    path = zoo[arch].parent / f"{arch}-{qtype.name}.gguf"
+    if not path.exists():
+        export_gguf(zoo[arch], path, qtype)
+    return path
 
 
 def new_cache(loaded: LoadedModel, capacity: int) -> list[LayerKV]:

@@ -31,9 +31,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from conftest import all_logits, greedy_ids
+from conftest import all_logits, exported, greedy_ids
 from llorch.weights.loader import LoadedModel, load_model
-from model_zoo import ARCHITECTURES, EOS, EOT, Q, build_hf_model, export_gguf, train_tokenizer
+from model_zoo import ARCHITECTURES, EOS, EOT, Q
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,14 +59,6 @@ QUANT_RELATIVE_RMS = {Q.F32: 1e-5, Q.F16: 0.005, Q.Q8_0: 0.06, Q.Q6_K: 0.2, Q.Q4
 TRANSFORMERS_READS_GGUF = ("llama", "qwen2", "gemma3")
 
 
-@pytest.fixture(scope="session")
-def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A Hugging Face directory per architecture, built once per test session."""
-    root = tmp_path_factory.mktemp("zoo")
-    tokenizer = train_tokenizer()
-    return {name: build_hf_model(arch, root / name, tokenizer) for name, arch in ARCHITECTURES.items()}
-
-
 _loaded: dict[tuple[str, str, torch.dtype], LoadedModel] = {}
 _references: dict[str, object] = {}
 
@@ -88,13 +80,6 @@ def reference(directory: Path) -> object:
 def reference_logits(model: object, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0].float()  # type: ignore[operator]
-
-
-def exported(zoo: dict[str, Path], arch: str, qtype: Q) -> Path:
-    path = zoo[arch].parent / f"{arch}-{qtype.name}.gguf"
-    if not path.exists():
-        export_gguf(zoo[arch], path, qtype)
-    return path
 
 
 def relative_rms(mine: torch.Tensor, theirs: torch.Tensor) -> float:

@@ -90,7 +90,7 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
         parser.add_argument("--cuda-device", type=int, default=0, help="GPU index (default 0)")
     if backend == "cpu":
         parser.add_argument("--dequantize", action="store_true",
-                            help="hold GGUF weights dequantized in the compute dtype instead of int8 blocks "
+                            help="hold GGUF weights dequantized in the compute dtype instead of the file's blocks "
                                  "(more memory, slower decode; the file's exact numbers)")
     return parser
 

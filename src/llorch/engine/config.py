@@ -156,6 +156,6 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
                                  "dtype": dtype_name})
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(device),
                                     "dtype": dtype_name, "threads": torch.get_num_threads(),
-                                    "weights": "int8 blocks" if loaded.quantized else "dense",
+                                    "weights": "gguf blocks" if loaded.quantized else "dense",
                                     "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes})
     return engine

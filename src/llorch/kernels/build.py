@@ -1,14 +1,20 @@
-"""Compile the C kernels once per machine and load them with ctypes.
+"""Compile the C kernels once per machine and instruction set, and load the best one with ctypes.
 
-Why our own C instead of a torch op: torch's CPU int8 weight-only matmul needs bf16
-activations and runs far below memory bandwidth on AVX2, and its int8 GEMM is slower
-than float32. Decode speed is bounded by reading the weights once per token, so the
-kernel that reads them must run at bandwidth (see cpu_kernels.c).
+Why our own C instead of torch ops: decode speed is bounded by reading the weights once
+per token, so the kernel that reads them must read the GGUF blocks at their own width
+and run near memory bandwidth; torch has no kernel for these block types, and at decode
+sizes its per-op dispatch costs more than the arithmetic (see csrc/decoder.c).
 
-The library is built with the machine's C compiler (`CC`, default `cc`) for this CPU
-(-march=native) and cached under the llorch cache directory, keyed by the source,
-the compiler, the flags and the CPU; a warm start only loads it. No torch headers are
-involved, so a cold build takes about a second.
+The same sources (csrc/*.c) are built as one variant per instruction set, each with
+explicit flags rather than -march=native, and the best variant this CPU runs is loaded:
+- avx512-vnni: AVX-512 with VNNI's 8-bit dot products (vpdpbusd);
+- avx512: AVX-512 (the integer dot uses AVX2's 16-bit pair products);
+- avx2: AVX2 and FMA;
+- portable: plain C, auto-vectorized for whatever the compiler targets by default
+  (on Arm, NEON through -mcpu=native).
+LLORCH_KERNELS=<variant> forces one (it must run on this CPU). Libraries are built with
+the machine's C compiler (`CC`, default `cc`) and cached under the llorch cache
+directory, keyed by the sources, the compiler and the flags; a warm start only loads.
 """
 
 from __future__ import annotations
@@ -22,33 +28,67 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from llorch.cache import cache_dir
 from llorch.device import cpuinfo
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = Path(__file__).with_name("csrc")
 
 
 class KernelUnavailable(RuntimeError):
     """The C kernels cannot be built or loaded on this machine."""
 
 
-def _compiler_flags() -> list[str]:
-    flags = ["-O3", "-shared", "-fPIC", "-std=c11"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags.append("-march=native")
-    elif sys.platform != "darwin":
-        flags.append("-mcpu=native")
-    if sys.platform != "darwin":  # Apple's clang has no OpenMP; there the kernels run on one thread
-        flags.append("-fopenmp")
-    return flags
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]
+    cpu_flags: frozenset[str]  # /proc/cpuinfo flags the variant needs
 
 
-def _cpu_identity() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    lines = {line for line in cpuinfo().splitlines() if line.startswith(("model name", "flags", "Features"))}
-    return "\n".join(sorted(lines)) or platform.processor() + platform.machine()
+_X86_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_X86_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_X86_AVX2)
+X86_VARIANTS = (  # best first
+    Variant("avx512-vnni", (*_X86_AVX512, "-mavx512vnni"),
+            frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"})),
+    Variant("avx512", _X86_AVX512, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})),
+    Variant("avx2", _X86_AVX2, frozenset({"avx2", "fma", "f16c"})),
+    Variant("portable", (), frozenset()),
+)
+OTHER_VARIANTS = (Variant("portable", ("-mcpu=native",) if sys.platform != "darwin" else (), frozenset()),)
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def cpu_flags() -> frozenset[str]:
+    for line in cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def runnable_variants() -> list[Variant]:
+    """Every variant this CPU can execute, best first."""
+    if not _is_x86():
+        return list(OTHER_VARIANTS)
+    flags = cpu_flags()
+    return [v for v in X86_VARIANTS if v.cpu_flags <= flags]
+
+
+def chosen_variant() -> Variant:
+    runnable = runnable_variants()
+    forced = os.environ.get("LLORCH_KERNELS")
+    if not forced:
+        return runnable[0]
+    for variant in runnable:
+        if variant.name == forced:
+            return variant
+    names = ", ".join(v.name for v in runnable)
+    raise KernelUnavailable(f"LLORCH_KERNELS={forced} does not run on this CPU (it runs: {names})")
 
 
 def _compiler() -> str:
@@ -65,51 +105,65 @@ def _compiler_version(compiler: str) -> str:
         raise KernelUnavailable(f"the C compiler {compiler!r} does not run: {exc}") from exc
 
 
-def build_library() -> Path:
-    """The compiled library for this machine, building it when the cache has none."""
+def _sources() -> list[Path]:
+    return sorted(SOURCES.glob("*.c"))
+
+
+def build_library(variant: Variant) -> Path:
+    """The compiled library of `variant`, building it when the cache has none."""
     compiler = _compiler()
-    flags = _compiler_flags()
-    key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), _compiler_version(compiler).encode(), " ".join(flags).encode(),
-                    _cpu_identity().encode()])
-    ).hexdigest()[:20]
-    target = cache_dir() / "kernels" / f"cpu-{key}.so"
+    flags = ["-O3", "-shared", "-fPIC", "-std=c11", *variant.flags]
+    if sys.platform != "darwin":  # Apple's clang has no OpenMP; there the kernels run on one thread
+        flags.append("-fopenmp")
+    sources = _sources()
+    digest = hashlib.sha256()
+    for source in [*sources, *sorted(SOURCES.glob("*.h"))]:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    digest.update(_compiler_version(compiler).encode() + " ".join(flags).encode())
+    target = cache_dir() / "kernels" / f"llorch-{variant.name}-{digest.hexdigest()[:20]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: workers starting together never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         output = Path(scratch) / target.name
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(output), "-lm"],
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(output), "-lm"],
+                                capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise KernelUnavailable(f"building the C kernels failed: {last}")
+            raise KernelUnavailable(f"building the C kernels ({variant.name}) failed: {last}")
         os.replace(output, target)
     return target
 
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "llorch_q8_matmul": [_P, _I64, _P, _P, _I64, _I64, _P, _INT],
-    "llorch_q8_gather": [_P, _P, _I64, _P, _I64, _P],
-    "llorch_q8_dequantize": [_P, _P, _I64, _I64, _P, _INT],
-    "llorch_rms_norm": [_P, _I64, _I64, _P, ctypes.c_float, _P],
+    "llorch_row_bytes": ([_INT, _I64], _I64),
+    "llorch_dequantize_row": ([_INT, _P, _I64, _P], None),
+    "llorch_quantize_rows": ([_P, _I64, _I64, _P], None),
+    "llorch_matmul": ([_INT, _P, _I64, _I64, _P, _P, _I64, _P, _INT], None),
+    "llorch_decoder_forward": ([_P, _P, _INT], None),
 }
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The loaded kernels (built on first use); KernelUnavailable says why not."""
+def load_variant(name: str) -> ctypes.CDLL:
+    """One variant's library (built on first use); KernelUnavailable says why not."""
     import torch  # noqa: F401  -- torch's OpenMP runtime must be loaded first so the kernels share it
 
-    path = build_library()
+    variant = next((v for v in runnable_variants() if v.name == name), None)
+    if variant is None:
+        raise KernelUnavailable(f"the {name} kernels do not run on this CPU")
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(build_library(variant)))
     except OSError as exc:
         raise KernelUnavailable(f"loading the C kernels failed: {exc}") from exc
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = None
+    for function, (argtypes, restype) in _SIGNATURES.items():
+        getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = restype
     return lib
+
+
+def library() -> ctypes.CDLL:
+    """The kernels this worker uses: the best variant for this CPU (or LLORCH_KERNELS's)."""
+    return load_variant(chosen_variant().name)

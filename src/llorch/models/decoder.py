@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from llorch.kernels.norm import rms_norm
 from llorch.models.config import ModelConfig
+from llorch.models.native import NativeDecoder
 from llorch.models.paged import LayerKV, StepBatch
-from llorch.models.quantized import Q8Embedding, Q8Linear
+from llorch.models.quantized import GGUFEmbedding, GGUFLinear
 
 FEW_ROWS = 32  # up to this many rows, the vocabulary projection uses the weight-major matmul
 
@@ -27,11 +27,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.native = False  # set by Decoder.use_cpu_kernels
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.native and x.dtype == torch.float32:
-            return rms_norm(x, self.weight, self.eps)
         # Normalize in float32 whatever the compute dtype, as the references do.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,20 +57,19 @@ def rope_cos_sin(
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module:
-    """One layer (Linear or Q8Linear) whose output is the parts' outputs side by side.
+    """One Linear whose output is the parts' outputs side by side.
 
-    Every state-dict entry (weight, block scales, bias) is concatenated along the
-    output rows; a part without a bias contributes zeros. On the meta device (a
-    skeleton for a state dict saved already fused) nothing is concatenated: meta ops
-    would pull in a second of lazy imports for no data.
+    Weights and biases are concatenated along the output rows; a part without a bias
+    contributes zeros. On the meta device (a skeleton for a state dict saved already
+    fused) nothing is concatenated: meta ops would pull in a second of lazy imports for
+    no data.
     """
     first = parts[0]
-    if not all(type(p) is type(first) for p in parts) or not isinstance(first, nn.Linear | Q8Linear):
-        raise TypeError("only layers of one kind can be fused")
+    if not all(type(p) is nn.Linear for p in parts):
+        raise TypeError("only dense Linear layers are fused")
     rows, bias = sum(p.out_features for p in parts), any(p.bias is not None for p in parts)
     with torch.device("meta"):
-        fused = (Q8Linear(first.in_features, rows, bias, first.dtype) if isinstance(first, Q8Linear)
-                 else nn.Linear(first.in_features, rows, bias=bias))
+        fused = nn.Linear(first.in_features, rows, bias=bias)
     if first.weight.is_meta:
         return fused
     biases = [p.bias for p in parts if p.bias is not None]
@@ -223,15 +219,14 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.native: NativeDecoder | None = None  # the C step, once use_native_step ran
 
-    def use_cpu_kernels(self) -> None:
-        """Norms in one C call each (CPU, float32): at decode sizes torch's five ops cost more in dispatch."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.native = True
+    def use_native_step(self) -> None:
+        """Run every forward step as one C call (CPU, float32; see models/native.py)."""
+        self.native = NativeDecoder(self)
 
     def fuse_projections(self) -> None:
-        """Run q/k/v and gate/up as one matmul each: fewer, larger matmuls per step.
+        """Run q/k/v and gate/up as one matmul each: fewer, larger matmuls per step (dense weights).
 
         Called once the weights are loaded; state-dict names change (qkv_proj, gate_up_proj).
         """
@@ -242,9 +237,9 @@ class Decoder(nn.Module):
     def project_vocab(self, hidden: Tensor) -> Tensor:
         """Logits of the final hidden rows: the single most expensive matmul of a decode step."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        if isinstance(head, Q8Embedding):
+        if isinstance(head, GGUFEmbedding):
             return head.project(hidden)
-        if isinstance(head, Q8Linear):
+        if isinstance(head, GGUFLinear):
             return head(hidden)
         # One row per sampling job: CPU BLAS runs the [vocab, hidden] x [hidden, rows] form
         # up to 3x faster than rows x weight^T for 2-16 rows, and no slower for one.
@@ -257,6 +252,8 @@ class Decoder(nn.Module):
         Only the wanted rows are projected: the vocabulary projection is the most
         expensive matmul, and generation needs one row per sampling sequence.
         """
+        if self.native is not None:
+            return self.native.forward(input_ids, batch, cache)
         x = self.embed_tokens(input_ids)
         if self.config.scale_embeddings:
             # The scale is rounded to the compute dtype first, as the reference does.

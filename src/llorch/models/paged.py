@@ -70,13 +70,58 @@ class AttentionGroup:
         return self.batch * self.q_len
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """The step's rows as plain host arrays: what a C step reads (and the torch layout is built from)."""
+
+    positions: np.ndarray  # [N] absolute position of every new token
+    write_slots: np.ndarray  # [N] where every new token's key and value are written
+    slots: np.ndarray  # every segment's slots for its positions 0 .. end - 1, concatenated
+    slot_start: np.ndarray  # [N] where each row's segment starts in `slots`
+    logit_rows: np.ndarray  # rows whose logits are wanted
+
+
 @dataclass
 class StepBatch:
-    positions: Tensor  # [N] absolute position of every new token
-    slots: Tensor  # [N] where every new token's key and value are written
-    groups: list[AttentionGroup]
-    logit_rows: Tensor | None  # rows whose logits are wanted; None: every row
+    layout: RowLayout
+    specs: list[SegmentSpec]
+    config: ModelConfig
+    device: torch.device
+    pad_slot: int
+    all_logits: bool  # every row's logits are wanted (layout.logit_rows lists them all)
     _rope: dict[tuple[float, float, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    _positions: Tensor | None = None
+    _write_slots: Tensor | None = None
+    _groups: list[AttentionGroup] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.layout.positions)
+
+    @property
+    def positions(self) -> Tensor:
+        if self._positions is None:
+            self._positions = torch.from_numpy(self.layout.positions).to(self.device)
+        return self._positions
+
+    @property
+    def slots(self) -> Tensor:
+        """Where every new token's key and value are written, on the device."""
+        if self._write_slots is None:
+            self._write_slots = torch.from_numpy(self.layout.write_slots).to(self.device)
+        return self._write_slots
+
+    @property
+    def logit_rows(self) -> Tensor | None:
+        """Rows whose logits are wanted, on the device; None: every row."""
+        return None if self.all_logits else torch.from_numpy(self.layout.logit_rows).to(self.device)
+
+    @property
+    def groups(self) -> list[AttentionGroup]:
+        """The torch attention layout (groups of sequences with their key views), built on first use."""
+        if self._groups is None:
+            self._groups = _attention_groups(self.specs, self.config, self.device, self.pad_slot)
+        return self._groups
 
     def rope(self, key: tuple[float, float, int], compute: Callable[[], tuple[Tensor, Tensor]]
              ) -> tuple[Tensor, Tensor]:
@@ -88,9 +133,20 @@ class StepBatch:
 
 def build_step(specs: list[SegmentSpec], config: ModelConfig, device: torch.device,
                logit_rows: list[int] | None = None, pad_slot: int = 0) -> StepBatch:
-    """The layout of one step; the index tensors are built on the host and moved in one go each."""
+    """The layout of one step (host arrays; device tensors are made when a path asks for them)."""
     positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in specs])
-    slots = np.concatenate([s.slots[s.start : s.start + s.length] for s in specs])
+    write_slots = np.concatenate([s.slots[s.start : s.start + s.length] for s in specs])
+    starts = np.cumsum([0] + [s.start + s.length for s in specs[:-1]])
+    slot_start = np.repeat(starts, [s.length for s in specs])
+    slots = np.concatenate([s.slots[: s.start + s.length] for s in specs])
+    wanted = np.arange(len(positions)) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
+    layout = RowLayout(positions.astype(np.int64), write_slots.astype(np.int64), slots.astype(np.int64),
+                       slot_start.astype(np.int64), wanted.astype(np.int64))
+    return StepBatch(layout, specs, config, device, pad_slot, all_logits=logit_rows is None)
+
+
+def _attention_groups(specs: list[SegmentSpec], config: ModelConfig, device: torch.device,
+                      pad_slot: int) -> list[AttentionGroup]:
     window = config.sliding_window if any(config.sliding_layers) else None
     groups: list[AttentionGroup] = []
     row, i = 0, 0
@@ -107,12 +163,7 @@ def build_step(specs: list[SegmentSpec], config: ModelConfig, device: torch.devi
         ))
         row += sum(s.length for s in members)
         i = j
-    return StepBatch(
-        positions=torch.from_numpy(positions).to(device),
-        slots=torch.from_numpy(slots).to(device),
-        groups=groups,
-        logit_rows=None if logit_rows is None else torch.tensor(logit_rows, dtype=torch.long, device=device),
-    )
+    return groups
 
 
 def _key_view(members: list[SegmentSpec], window: int | None, device: torch.device, pad_slot: int) -> KeyView:

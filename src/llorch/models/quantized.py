@@ -1,9 +1,11 @@
-"""Quantized stand-ins for the decoder's Linear and Embedding layers.
+"""Stand-ins for the decoder's Linear and Embedding layers that hold GGUF blocks as they are.
 
 The decoder is built with plain nn.Linear/nn.Embedding; the loader swaps in these
-modules for the weights it keeps quantized (`swap_quantized`), before the state dict
-is assigned. They hold int8 blocks (see llorch.kernels.q8) and compute in float32,
-handing results back in the model's compute dtype.
+modules for the weights it keeps in the file's own types (`swap_quantized`), before the
+state dict is assigned. A weight is a uint8 tensor [rows, row_bytes] of the file's
+blocks plus its GGUF type (`weight_type`, a 0-d int32 buffer so it travels with the
+state dict). They compute in float32 through the block kernels (llorch.kernels.blocks);
+the C decoder step reads the same tensors directly.
 """
 
 from __future__ import annotations
@@ -13,47 +15,56 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-from llorch.kernels import q8
+from llorch.kernels import blocks
 
-SCALES_SUFFIX = "_scales"  # the state-dict key of a quantized weight's block scales: "<name>.weight_scales"
+TYPE_SUFFIX = "_type"  # the state-dict key of a block weight's GGUF type: "<name>.weight_type"
 
 
-class Q8Linear(nn.Module):
+class GGUFLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight" + SCALES_SUFFIX, torch.empty(out_features, in_features // q8.QBLOCK))
+        self.register_buffer("weight", torch.empty(out_features, 0, dtype=torch.uint8))
+        self.register_buffer("weight" + TYPE_SUFFIX, torch.zeros((), dtype=torch.int32))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
+    @property
+    def qtype(self) -> int:
+        return int(self.weight_type)
+
     def forward(self, x: Tensor) -> Tensor:
-        out = q8.matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scales).to(x.dtype)
+        out = blocks.matmul(x.reshape(-1, self.in_features), self.weight, self.qtype).to(x.dtype)
         if self.bias is not None:
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
 
-class Q8Embedding(nn.Module):
+class GGUFEmbedding(nn.Module):
     """The token embedding; when tied, also the vocabulary projection (`project`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
-        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8))
-        self.register_buffer("weight" + SCALES_SUFFIX, torch.empty(num_embeddings, embedding_dim // q8.QBLOCK))
+        self.register_buffer("weight", torch.empty(num_embeddings, 0, dtype=torch.uint8))
+        self.register_buffer("weight" + TYPE_SUFFIX, torch.zeros((), dtype=torch.int32))
+
+    @property
+    def qtype(self) -> int:
+        return int(self.weight_type)
 
     def forward(self, ids: Tensor) -> Tensor:
         # The kernel reads raw memory: an id out of range must fail here, as nn.Embedding would.
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
             raise IndexError(f"token id out of range for a vocabulary of {self.num_embeddings}")
-        return q8.gather_rows(self.weight, self.weight_scales, ids).to(self.dtype).view(*ids.shape, -1)
+        rows = blocks.dequantize_rows(self.weight, self.qtype, self.embedding_dim, ids.reshape(-1))
+        return rows.to(self.dtype).view(*ids.shape, -1)
 
     def project(self, hidden: Tensor) -> Tensor:
-        return q8.matmul(hidden, self.weight, self.weight_scales).to(hidden.dtype)
+        return blocks.matmul(hidden, self.weight, self.qtype).to(hidden.dtype)
 
 
 def swap_quantized(model: nn.Module, weights: Collection[str], dtype: torch.dtype) -> None:
-    """Replace the Linear/Embedding owning each weight name in `weights` by its quantized twin."""
+    """Replace the Linear/Embedding owning each weight name in `weights` by its GGUF-typed twin."""
     for name in weights:
         module_name, _, leaf = name.rpartition(".")
         if leaf != "weight":
@@ -62,9 +73,9 @@ def swap_quantized(model: nn.Module, weights: Collection[str], dtype: torch.dtyp
         parent = model.get_submodule(parent_name)
         dense = getattr(parent, attr)
         if isinstance(dense, nn.Linear):
-            twin: nn.Module = Q8Linear(dense.in_features, dense.out_features, dense.bias is not None, dtype)
+            twin: nn.Module = GGUFLinear(dense.in_features, dense.out_features, dense.bias is not None, dtype)
         elif isinstance(dense, nn.Embedding):
-            twin = Q8Embedding(dense.num_embeddings, dense.embedding_dim, dtype)
+            twin = GGUFEmbedding(dense.num_embeddings, dense.embedding_dim, dtype)
         else:
-            raise ValueError(f"{name} belongs to a {type(dense).__name__}, which has no quantized form")
+            raise ValueError(f"{name} belongs to a {type(dense).__name__}, which has no GGUF-typed form")
         setattr(parent, attr, twin)

@@ -4,9 +4,8 @@ A cold start parses the GGUF header (a 262k-token vocabulary is ~0.3 s), builds 
 tokenizer and repacks every quantized tensor. A warm start reads instead, from
 `<cache>/converted/<sha256>-v<version>/`:
 - meta.json: the model's name, config, chat template and tokenizer ids;
-- tokenizer.json: the tokenizer, loaded by `tokenizers` directly;
-- q8-<dtype>.safetensors: the decoder's state dict as loaded (int8 blocks, fused
-  projections), memory-mapped, so the weights are never copied and pages load lazily.
+- tokenizer.json: the tokenizer, loaded by `tokenizers` directly.
+The weights need no cache: the CPU worker views them in place in the mapped file.
 Every file is written to a temporary name and renamed, so a crash or a concurrent
 worker never leaves a half-written entry; a damaged entry is rebuilt, never trusted.
 """
@@ -21,8 +20,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from llorch.cache import cache_dir
@@ -32,7 +29,7 @@ from llorch.weights.tokenizer import Tokenizer
 log = logging.getLogger("llorch.weights")
 
 # Bump whenever a conversion changes what it produces (config fields, repacking, names).
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 
 _known_digests: dict[tuple[str, int, int, int], str] = {}
 
@@ -61,6 +58,7 @@ class ConvertedMeta:
     config: ModelConfig
     chat_template: str | None
     tokenizer: Tokenizer
+    tensors: list[list[Any]]  # the GGUF file's tensor table (GGUFFile.tensor_table)
 
 
 class ConversionCache:
@@ -86,7 +84,8 @@ class ConversionCache:
             ids = meta["tokenizer"]
             tokenizer = Tokenizer(backend=backend, bos_token_id=ids["bos"], eos_token_ids=frozenset(ids["eos"]),
                                   special_ids=frozenset(ids["special"]), byte_token_ids=frozenset(ids["bytes"]))
-            return ConvertedMeta(meta["name"], ModelConfig(**fields), meta["chat_template"], tokenizer)
+            return ConvertedMeta(meta["name"], ModelConfig(**fields), meta["chat_template"], tokenizer,
+                                 meta["tensors"])
         except FileNotFoundError:
             return None
         except Exception as exc:  # damaged or from another version of the code: convert again
@@ -100,26 +99,10 @@ class ConversionCache:
             "name": meta.name,
             "config": dataclasses.asdict(meta.config),
             "chat_template": meta.chat_template,
+            "tensors": meta.tensors,
             "tokenizer": {"bos": tok.bos_token_id, "eos": sorted(tok.eos_token_ids),
                           "special": sorted(tok.special_ids), "bytes": sorted(tok.byte_token_ids)},
         }
         # The tokenizer first: meta.json is what marks the entry as present.
         self._write("tokenizer.json", lambda path: tok.backend.save(str(path)))
         self._write("meta.json", lambda path: path.write_text(json.dumps(document), encoding="utf-8"))
-
-    def _weights_file(self, dtype: torch.dtype) -> Path:
-        return self.directory / f"q8-{str(dtype).removeprefix('torch.')}.safetensors"
-
-    def read_q8_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-        path = self._weights_file(dtype)
-        if not path.is_file():
-            return None
-        try:
-            return load_file(path)  # memory-mapped
-        except Exception as exc:
-            log.warning("ignoring damaged cached weights", extra={"path": str(path), "reason": repr(exc)})
-            return None
-
-    def write_q8_weights(self, dtype: torch.dtype, state: dict[str, torch.Tensor]) -> None:
-        tensors = {name: tensor.contiguous() for name, tensor in state.items()}
-        self._write(self._weights_file(dtype).name, lambda path: save_file(tensors, path))

@@ -23,7 +23,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from llorch.errors import ModelFileError
-from llorch.kernels.q8 import QBLOCK, quantize_blocks
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -70,20 +69,34 @@ class GGUFTensorInfo:
 class GGUFFile:
     """A memory-mapped GGUF file: its metadata and its tensors, read lazily."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, table: list[list[Any]] | None = None) -> None:
+        """Parse the file's header, or take its tensor table from a cache (`table`, see `tensor_table`):
+        then only the tensors are known, not the metadata, and nothing of the header is read."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFileError(self.path, "no such file")
         self.size = self.path.stat().st_size
         try:
             with self.path.open("rb") as handle:
-                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                # Private and copy-on-write: tensors can view the file's pages without a copy (nothing writes them).
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         except (OSError, ValueError) as exc:
             raise ModelFileError(self.path, f"cannot be memory-mapped ({exc})") from exc
         self._pos = 0
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, GGUFTensorInfo] = {}
-        self._parse()
+        if table is None:
+            self._parse()
+            return
+        for name, shape, qtype, offset, nbytes in table:
+            info = GGUFTensorInfo(name, tuple(shape), GGMLQuantizationType(qtype), offset, nbytes)
+            if offset < 0 or offset + nbytes > self.size:
+                raise self._fail(f"cached tensor {name} lies outside the file")
+            self.tensors[name] = info
+
+    def tensor_table(self) -> list[list[Any]]:
+        """The tensors' names, shapes, types and places: what a warm start needs instead of the header."""
+        return [[t.name, list(t.shape), int(t.qtype), t.offset, t.nbytes] for t in self.tensors.values()]
 
     # -- header parsing -------------------------------------------------------------------
     def _fail(self, problem: str) -> ModelFileError:
@@ -205,39 +218,7 @@ class GGUFFile:
             values = torch.from_numpy(gguf_dequantize(raw, info.qtype))
         return values.reshape(info.shape)
 
-    def is_block_quantized(self, name: str) -> bool:
-        return self.tensors[name].qtype not in _DENSE_TYPES
-
-    def q8_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A 2-D block-quantized tensor as int8 values [rows, k] and float32 scales [rows, k/32].
-
-        Types whose blocks are 32 values times one f16 scale (Q8_0, Q4_0, Q5_0) convert
-        exactly; the rest are requantized block by block (see llorch.kernels.q8).
-        """
-        info = self.tensors[name]
-        if len(info.shape) != 2 or not self.is_block_quantized(name):
-            raise ValueError(f"{name} is not a 2-D block-quantized tensor")
-        if info.qtype == GGMLQuantizationType.Q8_0:
-            blocks = torch.from_numpy(np.array(self.raw(name))).reshape(-1, _Q8_0_BYTES)
-            scales = blocks[:, :2].contiguous().view(torch.float16).float()
-            values = blocks[:, 2:].contiguous().view(torch.int8)
-            return values.reshape(info.shape), scales.reshape(info.shape[0], -1)
-        weight = self.dequantize(name)
-        if info.qtype in _SCALED_BLOCK_TYPES:
-            # Each block is d * small integers: dividing by d recovers them exactly.
-            block_bytes = GGML_QUANT_SIZES[info.qtype][1]
-            d = np.array(self.raw(name)).reshape(-1, block_bytes)[:, :2].copy().view(np.float16)
-            scales = torch.from_numpy(d.astype(np.float32)).reshape(info.shape[0], -1)
-            blocks = weight.reshape(info.shape[0], -1, QBLOCK)
-            safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-            values = torch.round(blocks / safe[..., None]).to(torch.int8)
-            return values.reshape(info.shape), scales
-        return quantize_blocks(weight)
-
-
 _Q8_0_BYTES = 34
-_DENSE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
-_SCALED_BLOCK_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
 
 
 def _dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 
 from llorch.errors import ModelFileError
+from llorch.kernels.blocks import NATIVE_TYPES
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from llorch.models.quantized import SCALES_SUFFIX
+from llorch.models.quantized import TYPE_SUFFIX
+from llorch.weights.arena import WeightArena, arena_bytes
 from llorch.weights.gguf import GGUFFile
 
 # Gemma 3 conventions llama.cpp hard-codes instead of storing: every sixth layer is
@@ -225,21 +227,27 @@ def state_dict_from_gguf(
 ) -> dict[str, torch.Tensor]:
     """Our state dict, in `dtype` (norms stay float32).
 
-    With `keep_quantized`, block-quantized matrices stay int8 blocks: "<name>.weight"
-    holds int8 values and "<name>.weight_scales" the block scales (see models.quantized);
-    otherwise every tensor is dequantized.
+    With `keep_quantized`, every matrix stays in the file's own type and layout: "<name>.weight"
+    holds its rows' bytes [rows, row_bytes], copied into one huge-page arena (weights.arena),
+    and "<name>.weight_type" its GGUF type (see models.quantized); otherwise every tensor is
+    dequantized.
     """
     state: dict[str, torch.Tensor] = {}
     plan = list(gguf_tensor_plan(config, gguf.tensors))
+    missing = [name for name, _ in plan if name not in gguf.tensors]
+    if missing:
+        raise ModelFileError(gguf.path, f"tensor {missing[0]} is missing")
+    arena = None
+    if keep_quantized:
+        arena = WeightArena(arena_bytes([gguf.tensors[n].nbytes for n, _ in plan if _matrix(gguf, n)]))
     for done, (gguf_name, split) in enumerate(plan, start=1):
-        if gguf_name not in gguf.tensors:
-            raise ModelFileError(gguf.path, f"tensor {gguf_name} is missing")
         try:
-            if keep_quantized and _quantizable(gguf, gguf_name):
-                values, scales = gguf.q8_blocks(gguf_name)
-                # The splits only select and reorder rows, so they apply to values and scales alike.
-                state.update(split(values))
-                state.update({f"{ours}{SCALES_SUFFIX}": part for ours, part in split(scales).items()})
+            if arena is not None and _matrix(gguf, gguf_name):
+                qtype = torch.tensor(int(gguf.tensors[gguf_name].qtype), dtype=torch.int32)
+                # The splits only select and reorder rows, so they apply to the raw rows as to values.
+                for ours, rows in split(torch.from_numpy(gguf.raw(gguf_name))).items():
+                    state[ours] = arena.copy(rows.numpy())
+                    state[f"{ours}{TYPE_SUFFIX}"] = qtype
             else:
                 for ours, tensor in split(gguf.dequantize(gguf_name)).items():
                     state[ours] = compute_tensor(ours, tensor, dtype)
@@ -250,6 +258,7 @@ def state_dict_from_gguf(
     return state
 
 
-def _quantizable(gguf: GGUFFile, name: str) -> bool:
-    """Matrices stored in a block type (norms, biases and float tensors stay dense)."""
-    return name.endswith(".weight") and len(gguf.tensors[name].shape) == 2 and gguf.is_block_quantized(name)
+def _matrix(gguf: GGUFFile, name: str) -> bool:
+    """A 2-D weight the block kernels read in place (norms and biases are dequantized)."""
+    info = gguf.tensors[name]
+    return name.endswith(".weight") and len(info.shape) == 2 and info.qtype in NATIVE_TYPES

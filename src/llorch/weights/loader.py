@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from tqdm import tqdm
 
 from llorch.errors import ModelFileError
+from llorch.kernels.blocks import row_bytes
 from llorch.models.config import ModelConfig
 from llorch.models.decoder import Decoder
-from llorch.models.quantized import swap_quantized
+from llorch.models.quantized import TYPE_SUFFIX, GGUFEmbedding, GGUFLinear, swap_quantized
 from llorch.weights.converted import ConversionCache, ConvertedMeta
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.gguf_model import config_from_gguf, state_dict_from_gguf
@@ -40,7 +42,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: torch.dtype
     chat_template: str | None = None  # jinja2 source, when the model ships one
-    quantized: bool = False  # GGUF matrices held as quantized blocks for the CPU kernels
+    quantized: bool = False  # GGUF matrices held in the file's own types for the CPU kernels
 
     @property
     def model_id(self) -> str:
@@ -62,20 +64,6 @@ class ModelSource:
     fresh_meta: ConvertedMeta | None = None  # converted now: cached once the weights load too
 
 
-def _cached_decoder(path: Path, source: ModelSource, dtype: torch.dtype) -> tuple[Decoder | None, bool]:
-    """The decoder from cached int8 weights, or (None, False) when there are none that fit."""
-    if source.cache is None or source.fresh_meta is not None:
-        return None, False
-    state = source.cache.read_q8_weights(dtype)
-    if state is None:
-        return None, False
-    try:
-        return _build_decoder(path, source.config, state, dtype), True
-    except ModelFileError as exc:  # a cache entry that does not fit its config is rebuilt
-        log.warning("ignoring cached weights", extra={"path": str(source.cache.directory), "reason": exc.problem})
-        return None, False
-
-
 def load_model(
     path: str | Path,
     device: torch.device,
@@ -86,8 +74,9 @@ def load_model(
     """Config, tokenizer and weights from a GGUF file or a Hugging Face directory.
 
     `progress(done, total)` follows the weights. With `keep_quantized` (CPU only), GGUF
-    block-quantized matrices stay int8 blocks computed by the C kernels; otherwise all
-    weights are dequantized to `dtype`.
+    matrices stay in the file's own types, viewed in place in the mapped file, and every
+    step runs as one call of the C decoder step; otherwise all weights are dequantized to
+    `dtype` and computed by torch.
     """
     path = Path(path)
     if not path.exists():
@@ -110,20 +99,14 @@ def load_model(
             if progress is not None:
                 progress(done, total)
 
-        model, from_cache = _cached_decoder(path, source, dtype) if keep_quantized else (None, False)
-        if model is None:
-            model = _build_decoder(path, source.config, source.read_weights(dtype, advance, keep_quantized), dtype)
+        model = _build_decoder(path, source.config, source.read_weights(dtype, advance, keep_quantized), dtype)
     model = model.to(device).eval().requires_grad_(False)
-    if keep_quantized:  # the C kernels are built and loaded: the norms use them too
-        model.use_cpu_kernels()
-    if source.cache is not None:  # only a file that loaded completely is remembered
-        if source.fresh_meta is not None:
-            source.cache.write_meta(source.fresh_meta)
-        if keep_quantized and not from_cache:
-            source.cache.write_q8_weights(dtype, model.state_dict())
-    log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3),
-                                     "cached": from_cache})
-    quantized = any(tensor.dtype == torch.int8 for tensor in model.buffers())
+    quantized = any(isinstance(m, GGUFLinear | GGUFEmbedding) for m in model.modules())
+    if quantized and device.type == "cpu" and dtype == torch.float32:
+        model.use_native_step()
+    if source.cache is not None and source.fresh_meta is not None:  # only a file that loaded completely
+        source.cache.write_meta(source.fresh_meta)
+    log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3)})
     return LoadedModel(name=source.name, path=path, config=source.config, model=model, tokenizer=source.tokenizer,
                        dtype=dtype, chat_template=source.chat_template, quantized=quantized)
 
@@ -131,15 +114,19 @@ def load_model(
 def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
     """The decoder with `state` as its weights, after checking every name and shape against the config.
 
-    Int8 weights in `state` are quantized blocks: their layers become the quantized modules.
+    uint8 weights in `state` are GGUF blocks: their layers become the GGUF-typed modules.
+    Dense layers are fused afterwards (q/k/v, gate/up); GGUF-typed ones stay apart (their
+    types may differ, and the C step reads them side by side anyway).
     """
-    fused = any(".qkv_proj." in name for name in state)  # a cached state dict is saved as loaded: fused
+    blocks = [name for name, tensor in state.items() if tensor.dtype == torch.uint8]
     with torch.device("meta"):
         model = Decoder(config)
-        if fused:
-            model.fuse_projections()
-        swap_quantized(model, [name for name, tensor in state.items() if tensor.dtype == torch.int8], dtype)
+        swap_quantized(model, blocks, dtype)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    for name in blocks:
+        expected[name] = (expected[name][0], _row_bytes(path, name, model, state))
+        module = model.get_submodule(name.removesuffix(".weight"))  # the skeleton's buffer takes that shape
+        module.register_buffer("weight", torch.empty(expected[name], dtype=torch.uint8, device="meta"))
     for name, shape in expected.items():
         if name not in state:
             raise ModelFileError(path, f"weight {name} is missing")
@@ -152,32 +139,40 @@ def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tenso
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
         raise ModelFileError(path, f"has weight {unexpected[0]}{more}, which the config does not describe")
     model.load_state_dict(state, assign=True, strict=True)
-    if not fused:
+    if not blocks:
         model.fuse_projections()
     return model
+
+
+def _row_bytes(path: Path, name: str, model: Decoder, state: dict[str, torch.Tensor]) -> int:
+    """The bytes one row of the GGUF-typed weight `name` must have, by its type and the config's width."""
+    module = model.get_submodule(name.removesuffix(".weight"))
+    width = module.in_features if isinstance(module, GGUFLinear) else module.embedding_dim
+    qtype = GGMLQuantizationType(int(state[f"{name}{TYPE_SUFFIX}"]))
+    block = GGML_QUANT_SIZES[qtype][0]
+    if width % block:
+        raise ModelFileError(path, f"weight {name} is {qtype.name}, whose {block}-value blocks do not divide "
+                             f"the config's width {width}")
+    return row_bytes(qtype, width)
 
 
 def _gguf_source(path: Path) -> ModelSource:
     """The file's metadata, from the conversion cache when this file was converted before."""
     cache = ConversionCache(path)
-    meta = cache.read_meta()
-    opened: list[GGUFFile] = []
-
-    def gguf() -> GGUFFile:  # parsed only when something is not cached
-        if not opened:
-            opened.append(GGUFFile(path))
-        return opened[0]
-
-    fresh = None
-    if meta is None:
-        meta = fresh = _convert_gguf_meta(path, gguf())
+    cached = cache.read_meta()
+    # The header is parsed only when the cache has no entry for the file; a warm start maps the
+    # file with the cached tensor table.
+    gguf = GGUFFile(path) if cached is None else GGUFFile(path, table=cached.tensors)
+    fresh = _convert_gguf_meta(path, gguf) if cached is None else None
+    meta = cached or fresh
+    assert meta is not None
     return ModelSource(
         name=meta.name,
         config=meta.config,
         tokenizer=meta.tokenizer,
         chat_template=meta.chat_template,
         read_weights=lambda dtype, progress, quantized: state_dict_from_gguf(
-            gguf(), meta.config, dtype, progress, quantized),
+            gguf, meta.config, dtype, progress, quantized),
         cache=cache,
         fresh_meta=fresh,
     )
@@ -193,7 +188,8 @@ def _convert_gguf_meta(path: Path, gguf: GGUFFile) -> ConvertedMeta:
         raise ModelFileError(path, f"invalid model metadata ({type(exc).__name__}: {exc})") from exc
     template = gguf.metadata.get("tokenizer.chat_template")
     return ConvertedMeta(name=str(gguf.metadata.get("general.name") or path.stem), config=config,
-                         chat_template=str(template) if template else None, tokenizer=tokenizer)
+                         chat_template=str(template) if template else None, tokenizer=tokenizer,
+                         tensors=gguf.tensor_table())
 
 
 def _hf_source(path: Path) -> ModelSource:

@@ -1,0 +1,68 @@
+"""Python side of the block kernels: GGUF-typed weight rows, read at the file's own width.
+
+A weight matrix is a uint8 tensor [rows, row_bytes] holding the file's blocks as they
+are; its GGUF type says how to read them (csrc/blocks.c). These functions are what the
+torch path and the tests use; the decoder's own C step calls the kernels directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import Tensor
+
+from llorch.kernels.build import library
+
+ACT_BLOCK_BYTES = 40  # one quantized activation block: float scale, two int16 sums, 32 int8 values
+ACT_BLOCK = 32
+
+# The GGUF types the kernels read in place (every other type is refused when the file loads).
+NATIVE_TYPES = frozenset(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    return int(library().llorch_row_bytes(int(qtype), k))
+
+
+def quantize_activations(x: Tensor, lib: ctypes.CDLL | None = None) -> Tensor:
+    """x [m, k] as the kernels quantize it, dequantized again (float32): what the integer dot multiplies."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    raw = torch.empty(m * k // ACT_BLOCK * ACT_BLOCK_BYTES, dtype=torch.uint8)
+    (lib or library()).llorch_quantize_rows(x.data_ptr(), m, k, raw.data_ptr())
+    blocks = raw.view(m * k // ACT_BLOCK, ACT_BLOCK_BYTES)
+    scales = blocks[:, :4].contiguous().view(torch.float32)
+    values = blocks[:, 8:].contiguous().view(torch.int8).float()
+    return (values * scales).reshape(m, k)
+
+
+def dequantize_rows(weight: Tensor, qtype: int, k: int, ids: Tensor | None = None,
+                    lib: ctypes.CDLL | None = None) -> Tensor:
+    """Rows `ids` (every row when None) of a GGUF-typed matrix as float32 [len(ids), k].
+
+    Ids must be in range: the caller checks them (the kernel reads raw memory). `lib` picks
+    a kernel variant (build.load_variant); the default is the one this worker uses.
+    """
+    lib = lib or library()
+    rows = range(weight.shape[0]) if ids is None else ids.tolist()
+    out = torch.empty(len(rows), k, dtype=torch.float32)
+    base, stride = weight.data_ptr(), weight.stride(0)
+    for i, row in enumerate(rows):
+        lib.llorch_dequantize_row(int(qtype), base + row * stride, k, out[i].data_ptr())
+    return out
+
+
+def matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None) -> Tensor:
+    """x [m, k] (float32) @ W.T for the GGUF-typed W [n, row_bytes], in float32 (block types
+    quantize x to int8 blocks of 32 first, see csrc/matmul.c)."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(m * k // ACT_BLOCK * ACT_BLOCK_BYTES, dtype=torch.uint8)
+    (lib or library()).llorch_matmul(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), scratch.data_ptr(), m,
+                                     out.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,0 +1,296 @@
+/* One forward step of the Llama-family decoder in C: every row of the step, every layer.
+ *
+ * A step's rows are new tokens of several sequences (one each for decoding sequences, a
+ * chunk each for sequences reading their prompt). Each layer runs
+ *     norm -> q, k, v -> (q/k norms) -> RoPE -> write k, v to the paged cache
+ *     -> attention over each row's own cached positions -> o -> residual (sandwich norms)
+ *     -> norm -> gate, up -> activation -> down -> residual (sandwich norm)
+ * and the step ends with the final norm and the vocabulary projection of the rows whose
+ * logits are wanted. The whole step is one OpenMP parallel region: each phase is a
+ * worksharing loop, and the barriers between phases are the only synchronization.
+ *
+ * Why C and not torch ops: at decode sizes a step is some 500 small tensor operations
+ * whose dispatch cost more than their arithmetic. Why one path for decode and prompt rows:
+ * every row's arithmetic (its norms, its quantized activations, its attention) depends
+ * on that row alone, in a fixed order, so a row gives the same bits alone or batched,
+ * decoding or inside a prompt chunk.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "llorch.h"
+#include "vmath.h"
+
+#define ATTN_CHUNK 128 /* keys per attention work item: fixed, so results never depend on the batch */
+
+/* -- small vector helpers (explicit SIMD: float reductions do not auto-vectorize) ------------- */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(LLORCH_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+#endif
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* out = x * w / sqrt(mean(x^2) + eps), in place allowed. */
+static inline void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    const float inverse = 1.0f / sqrtf(dot_f32(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inverse * w[i];
+}
+
+/* Rotate each head's halves by the row's angles (cos/sin tables of head_dim entries). */
+static inline void rope(float *x, int64_t heads, int64_t head_dim, const float *cos_row, const float *sin_row) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos_row[i] - b * sin_row[i];
+            v[i + half] = b * cos_row[i + half] + a * sin_row[i + half];
+        }
+    }
+}
+
+static inline int is_block_type(int type) { return type != T_F32 && type != T_F16 && type != T_BF16; }
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* outs[i] = x . mats[i] for `m` rows of `k` values (worksharing): x is quantized first when
+ * any of the matrices is a block type. */
+static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, act_block *xq,
+                    float *const *outs) {
+    for (int i = 0; i < count; i++) {
+        if (is_block_type(mats[i].type)) {
+            llorch_quantize_rows_ws(x, m, k, xq);
+            break;
+        }
+    }
+    llorch_matmul_group_ws(mats, count, x, xq, m, outs);
+}
+
+/* -- attention ----------------------------------------------------------------------------------- */
+typedef struct {
+    float *scores;  /* [group, ATTN_CHUNK] per thread */
+} attn_scratch;
+
+/* One work item: the `group` query heads sharing kv head g, for one row, over one chunk of its
+ * visible positions [first, last). Each key and value row is read once for all the heads.
+ * Writes the chunk's max score, weight sum and weighted values per head (not yet
+ * normalized) to `part`: [group][head_dim + 2]. */
+static void attend_chunk(const float *q_row, const layer_desc *L, int64_t g, int64_t group, int64_t head_dim,
+                         int64_t kv_heads, float scale, const int64_t *slots, int64_t first, int64_t last,
+                         float *scores, float *part) {
+    const int64_t count = last - first, stride = kv_heads * head_dim;
+    const float *q = q_row + g * group * head_dim;
+    for (int64_t p = 0; p < count; p++) {
+        const float *key = L->keys + slots[first + p] * stride + g * head_dim;
+        for (int64_t h = 0; h < group; h++) scores[h * ATTN_CHUNK + p] = dot_f32(q + h * head_dim, key, head_dim) * scale;
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *s = scores + h * ATTN_CHUNK, best = -INFINITY;
+        for (int64_t p = 0; p < count; p++) best = s[p] > best ? s[p] : best;
+        float total = 0.0f;
+        for (int64_t p = 0; p < count; p++) {
+            s[p] = v_exp(s[p] - best);
+            total += s[p];
+        }
+        float *out = part + h * (head_dim + 2);
+        out[0] = best;
+        out[1] = total;
+        for (int64_t d = 0; d < head_dim; d++) out[2 + d] = 0.0f;
+    }
+    for (int64_t p = 0; p < count; p++) {
+        const float *value = L->values + slots[first + p] * stride + g * head_dim;
+        for (int64_t h = 0; h < group; h++) {
+            float *restrict acc = part + h * (head_dim + 2) + 2;
+            const float weight = scores[h * ATTN_CHUNK + p];
+            for (int64_t d = 0; d < head_dim; d++) acc[d] += weight * value[d];
+        }
+    }
+}
+
+/* -- the step ------------------------------------------------------------------------------------ */
+void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads) {
+    const int64_t R = S->rows, H = M->hidden, HD = M->head_dim, NQ = M->heads * HD, NKV = M->kv_heads * HD;
+    const int64_t I = M->intermediate, group = M->heads / M->kv_heads, widest = max64(max64(H, NQ), I);
+    int64_t max_position = 0;
+    for (int64_t r = 0; r < R; r++) max_position = max64(max_position, S->positions[r]);
+    const int64_t max_chunks = max_position / ATTN_CHUNK + 1, part_size = group * (HD + 2);
+    const int64_t items = R * M->kv_heads * max_chunks;
+
+    float *x = malloc(sizeof(float) * (size_t)(R * H)), *h = malloc(sizeof(float) * (size_t)(R * widest));
+    float *q = malloc(sizeof(float) * (size_t)(R * NQ)), *k = malloc(sizeof(float) * (size_t)(R * NKV));
+    float *v = malloc(sizeof(float) * (size_t)(R * NKV)), *attn = malloc(sizeof(float) * (size_t)(R * NQ));
+    float *o = malloc(sizeof(float) * (size_t)(R * H));
+    float *gate = malloc(sizeof(float) * (size_t)(R * I)), *up = malloc(sizeof(float) * (size_t)(R * I));
+    float *parts = malloc(sizeof(float) * (size_t)(items * part_size));
+    act_block *xq = malloc(sizeof(act_block) * (size_t)(R * widest / QK));
+
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * ATTN_CHUNK));
+
+        /* token embeddings */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < R; r++) {
+            const matrix *E = M->embed;
+            llorch_dequantize_row(E->type, E->data + S->tokens[r] * llorch_row_bytes(E->type, H), H, x + r * H);
+            if (M->embed_scale != 0.0f) for (int64_t i = 0; i < H; i++) x[r * H + i] *= M->embed_scale;
+        }
+
+        for (int64_t l = 0; l < M->layers; l++) {
+            const layer_desc *L = M->layer + l;
+            const float *cos_table = S->rope_cos[L->rope], *sin_table = S->rope_sin[L->rope];
+
+            /* attention input: norm, then q, k, v in one worksharing loop */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t r = 0; r < R; r++) rms_norm(x + r * H, L->input_norm, H, M->eps, h + r * H);
+            const matrix qkv[3] = {L->q, L->k, L->v};
+            float *qkv_out[3] = {q, k, v};
+            project(qkv, 3, h, R, H, xq, qkv_out);
+
+            /* biases, per-head norms, RoPE, and the new keys and values into the cache */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t r = 0; r < R; r++) {
+                float *qr = q + r * NQ, *kr = k + r * NKV, *vr = v + r * NKV;
+                for (int64_t i = 0; L->q_bias && i < NQ; i++) qr[i] += L->q_bias[i];
+                for (int64_t i = 0; L->k_bias && i < NKV; i++) kr[i] += L->k_bias[i];
+                for (int64_t i = 0; L->v_bias && i < NKV; i++) vr[i] += L->v_bias[i];
+                if (L->q_norm) {
+                    for (int64_t hh = 0; hh < M->heads; hh++) rms_norm(qr + hh * HD, L->q_norm, HD, M->eps, qr + hh * HD);
+                    for (int64_t hh = 0; hh < M->kv_heads; hh++) rms_norm(kr + hh * HD, L->k_norm, HD, M->eps, kr + hh * HD);
+                }
+                rope(qr, M->heads, HD, cos_table + r * HD, sin_table + r * HD);
+                rope(kr, M->kv_heads, HD, cos_table + r * HD, sin_table + r * HD);
+                memcpy(L->keys + S->write_slots[r] * NKV, kr, sizeof(float) * (size_t)NKV);
+                memcpy(L->values + S->write_slots[r] * NKV, vr, sizeof(float) * (size_t)NKV);
+            }
+
+            /* attention: each row over its own visible positions, in fixed chunks of keys */
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+            for (int64_t item = 0; item < items; item++) {
+                const int64_t r = item / (M->kv_heads * max_chunks), g = item / max_chunks % M->kv_heads;
+                const int64_t c = item % max_chunks, position = S->positions[r];
+                const int64_t lowest = L->window > 0 && position + 1 > L->window ? position + 1 - L->window : 0;
+                const int64_t first = lowest + c * ATTN_CHUNK, last = first + ATTN_CHUNK < position + 1
+                                                                          ? first + ATTN_CHUNK : position + 1;
+                if (first >= last) continue;
+                attend_chunk(q + r * NQ, L, g, group, HD, M->kv_heads, M->attn_scale, S->slots + S->slot_start[r],
+                             first, last, scores, parts + item * part_size);
+            }
+            /* combine each head's chunks: the softmax over all its visible positions */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t rh = 0; rh < R * M->heads; rh++) {
+                const int64_t r = rh / M->heads, head = rh % M->heads, g = head / group, within = head % group;
+                const int64_t position = S->positions[r];
+                const int64_t lowest = L->window > 0 && position + 1 > L->window ? position + 1 - L->window : 0;
+                const int64_t chunks = (position - lowest) / ATTN_CHUNK + 1;
+                const float *first = parts + ((r * M->kv_heads + g) * max_chunks) * part_size + within * (HD + 2);
+                float best = -INFINITY;
+                for (int64_t c = 0; c < chunks; c++) best = first[c * part_size] > best ? first[c * part_size] : best;
+                float total = 0.0f;
+                float *out = attn + r * NQ + head * HD;
+                for (int64_t d = 0; d < HD; d++) out[d] = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *part = first + c * part_size, weight = v_exp(part[0] - best);
+                    total += weight * part[1];
+                    for (int64_t d = 0; d < HD; d++) out[d] += weight * part[2 + d];
+                }
+                const float inverse = 1.0f / total;
+                for (int64_t d = 0; d < HD; d++) out[d] *= inverse;
+            }
+
+            /* output projection and the residual */
+            project(&L->o, 1, attn, R, NQ, xq, &o);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t r = 0; r < R; r++) {
+                float *xr = x + r * H, *orow = o + r * H;
+                for (int64_t i = 0; L->o_bias && i < H; i++) orow[i] += L->o_bias[i];
+                if (M->sandwich) {
+                    rms_norm(orow, L->post_attn_norm, H, M->eps, orow);
+                    for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
+                    rms_norm(xr, L->pre_ffn_norm, H, M->eps, h + r * H);
+                } else {
+                    for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
+                    rms_norm(xr, L->post_attn_norm, H, M->eps, h + r * H);
+                }
+            }
+
+            /* the MLP */
+            const matrix gate_up[2] = {L->gate, L->up};
+            float *gate_up_out[2] = {gate, up};
+            project(gate_up, 2, h, R, H, xq, gate_up_out);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t r = 0; r < R; r++) {  /* h was consumed by gate/up: it takes the activations */
+                float *g_row = gate + r * I, *u_row = up + r * I, *a_row = h + r * I;
+                if (M->activation == 1) {
+                    for (int64_t i = 0; i < I; i++) a_row[i] = v_gelu_tanh(g_row[i]) * u_row[i];
+                } else {
+                    for (int64_t i = 0; i < I; i++) a_row[i] = v_silu(g_row[i]) * u_row[i];
+                }
+            }
+            project(&L->down, 1, h, R, I, xq, &o);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t r = 0; r < R; r++) {
+                float *xr = x + r * H, *orow = o + r * H;
+                if (M->sandwich) rms_norm(orow, L->post_ffn_norm, H, M->eps, orow);
+                for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
+            }
+        }
+
+        /* final norm and the vocabulary projection of the wanted rows */
+        const int64_t wanted = S->logit_rows_count;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t i = 0; i < wanted; i++) rms_norm(x + S->logit_rows[i] * H, M->final_norm, H, M->eps, h + i * H);
+        project(M->head, 1, h, wanted, H, xq, &S->logits);
+        if (M->logit_softcap != 0.0f) {
+            const float cap = M->logit_softcap;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (int64_t i = 0; i < wanted * M->vocab; i++) S->logits[i] = v_tanh(S->logits[i] / cap) * cap;
+        }
+        free(scores);
+    }
+    free(x);
+    free(h);
+    free(q);
+    free(k);
+    free(v);
+    free(attn);
+    free(o);
+    free(gate);
+    free(up);
+    free(parts);
+    free(xq);
+}

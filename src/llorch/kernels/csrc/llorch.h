@@ -1,0 +1,165 @@
+/* Shared declarations of llorch's CPU kernels.
+ *
+ * The same sources are compiled once per instruction set (portable C, AVX2, AVX-512,
+ * AVX-512-VNNI); build.py picks the best variant the CPU runs. Which SIMD code is
+ * used inside follows from the compiler's own macros (__AVX2__, __AVX512VNNI__, ...).
+ */
+#ifndef LLORCH_H
+#define LLORCH_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define LLORCH_AVX2 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define LLORCH_VNNI 1
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QK 32       /* values per activation block and per weight (sub-)block pair of halves */
+#define QK_K 256    /* values per K-quant super-block */
+
+/* GGUF tensor types, numbered as in the file format. */
+enum gguf_type {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+/* An activation row quantized for the integer dot: per 32 values, a float scale, the sums
+ * of each half's values (for the weights' offsets) and the int8 values. */
+typedef struct {
+    float d;
+    int16_t sum[2];
+    int8_t q[QK];
+} act_block;
+
+/* One weight row unpacked for the dot: per 32 values, unsigned bytes v and, per half of
+ * 16 values, a scale s and an offset m, so that the weight is s * v - m. Every block type
+ * (and a float row, with no offsets) comes down to this one form. */
+typedef struct {
+    uint8_t *v;      /* [k] */
+    float *s;        /* [k / 32 * 2]: half 0, half 1 of each block */
+    float *m;        /* [k / 32 * 2] */
+} unpacked_row;
+
+static inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exponent = 127 - 15 + 1;
+            while (!(mantissa & 0x400)) { mantissa <<= 1; exponent--; }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000 | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
+}
+
+/* A little-endian 16-bit field of a block (its float16 scale, say), from any address. */
+static inline uint16_t read_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline float bf16_to_fp32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* A weight matrix in its GGUF type: `rows` rows of `cols` values, laid out as in the file. */
+typedef struct {
+    int32_t type;
+    int32_t unused;
+    const uint8_t *data;
+    int64_t rows, cols;
+} matrix;
+
+/* One decoder layer's weights and KV cache (see decoder.c). Absent parts are NULL. */
+typedef struct {
+    matrix q, k, v, o, gate, up, down;
+    const float *q_bias, *k_bias, *v_bias, *o_bias;
+    const float *input_norm;      /* before attention */
+    const float *post_attn_norm;  /* sandwich: on the attention output; otherwise before the MLP */
+    const float *pre_ffn_norm;    /* sandwich only: before the MLP */
+    const float *post_ffn_norm;   /* sandwich only: on the MLP output */
+    const float *q_norm, *k_norm; /* per-head norms, or NULL */
+    float *keys, *values;         /* [slots, kv_heads, head_dim] */
+    int32_t window;               /* attend to the last `window` positions only; 0: all */
+    int32_t rope;                 /* which of the step's RoPE tables: 0 or 1 */
+} layer_desc;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, vocab, layers;
+    float eps, attn_scale, embed_scale, logit_softcap; /* embed_scale, logit_softcap: 0 for none */
+    int32_t sandwich, activation;                     /* activation: 0 SiLU, 1 GELU (tanh) */
+    const matrix *embed;
+    const float *final_norm;
+    const matrix *head;
+    const layer_desc *layer;
+} model_desc;
+
+/* A step's rows: one new token each, of one sequence each (a sequence may have several rows). */
+typedef struct {
+    int64_t rows;
+    const int64_t *tokens, *positions, *write_slots;
+    const int64_t *slot_start; /* where each row's sequence's slot list starts in `slots` (position 0) */
+    const int64_t *slots;
+    const float *rope_cos[2], *rope_sin[2]; /* [rows, head_dim] per RoPE table */
+    int64_t logit_rows_count;
+    const int64_t *logit_rows;
+    float *logits; /* [logit_rows_count, vocab] */
+} step_desc;
+
+void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads);
+
+/* Bytes one row of `k` values takes in a type (0: not a type these kernels read). */
+int64_t llorch_row_bytes(int type, int64_t k);
+
+/* One row of a block type unpacked into `u` (returns 0 for a type that is not a block type). */
+int llorch_unpack_row(int type, const uint8_t *row, int64_t k, const unpacked_row *u);
+
+/* One row of any type these kernels read, as floats. */
+void llorch_dequantize_row(int type, const uint8_t *row, int64_t k, float *out);
+
+/* The direct kernels (direct.c): weight rows [j0, j1) of a common block type against up to
+ * four activation rows, decoded in registers, into out[t * ldo + j]; 0 for other types. */
+int llorch_has_direct(int type);
+int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
+                       const act_block *const *x, int tile, float *out, int64_t ldo);
+
+/* Activation rows -> act_blocks (k a multiple of 32). */
+void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out);
+
+/* out[i * n + j] = x[i] . w[j] for the m activation rows (as floats, and quantized into xq
+ * for block types: m * k / 32 act_blocks the caller provides) against the n weight rows
+ * of a GGUF-typed matrix, on `threads` threads. */
+void llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, act_block *xq,
+                   int64_t m, float *out, int threads);
+
+/* Inside a parallel region the caller opened (every thread calls them; worksharing loops). */
+void llorch_quantize_rows_ws(const float *x, int64_t m, int64_t k, act_block *out);
+/* Several matrices sharing one input (q, k and v; gate and up), as one worksharing loop. */
+void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const act_block *xq, int64_t m,
+                            float *const *outs);
+
+#endif

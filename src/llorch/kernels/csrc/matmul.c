@@ -1,0 +1,161 @@
+/* Matrix products against GGUF-typed weight rows, read at the file's own width.
+ *
+ * Block types: the activation rows are quantized once (act_block: int8 per 32 values,
+ * one float scale), each weight row is unpacked into the uniform form of blocks.c,
+ * and the dot is integer within each half-block (exact), then scaled in float:
+ *     x . w = sum_b  dx_b * (s_b0 * idot_b0 + s_b1 * idot_b1 - m_b0 * xsum_b0 - m_b1 * xsum_b1)
+ * Float types (F32, F16, BF16) take the float activations directly.
+ *
+ * Every output is summed in one fixed order whatever the number of rows in the call or
+ * the thread that computes it, so a row's result does not depend on its batch.
+ */
+#include <stdlib.h>
+
+#include "simd.h"
+
+#define ROW_CHUNK 16  /* weight rows per scheduling unit */
+#define ACT_TILE 64   /* activation rows read against one unpacked weight row before moving on */
+#define DIRECT_TILE 4 /* activation rows the direct kernels take at once (direct.c) */
+
+/* Per-thread scratch for one unpacked weight row, grown as needed. */
+static __thread uint8_t *scratch_v;
+static __thread float *scratch_sm;
+static __thread int64_t scratch_k;
+
+static unpacked_row scratch_row(int64_t k) {
+    if (k > scratch_k) {
+        free(scratch_v);
+        free(scratch_sm);
+        scratch_v = aligned_alloc(64, (size_t)((k + 63) / 64 * 64));
+        scratch_sm = malloc(sizeof(float) * (size_t)(k / QK * 4));
+        scratch_k = k;
+    }
+    const unpacked_row u = {scratch_v, scratch_sm, scratch_sm + k / QK * 2};
+    return u;
+}
+
+/* x . w for one quantized activation row and one unpacked weight row of `blocks` blocks. */
+static inline float dot_unpacked(const unpacked_row *u, const act_block *x, int64_t blocks, int is_signed) {
+    float offsets = 0.0f;
+#ifdef LLORCH_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(u->v + b * QK));
+        const __m256i q = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256i lanes = is_signed ? idot_signed(w, q) : idot_unsigned(w, q);
+        const float dx = x[b].d;
+        const __m256 scale = _mm256_set_m128(_mm_set1_ps(u->s[2 * b + 1] * dx), _mm_set1_ps(u->s[2 * b] * dx));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), scale, acc);
+        offsets += dx * (u->m[2 * b] * x[b].sum[0] + u->m[2 * b + 1] * x[b].sum[1]);
+    }
+    return hsum8(acc) - offsets;
+#else
+    float total = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        int32_t half[2] = {0, 0};
+        for (int j = 0; j < QK; j++) {
+            const int32_t w = is_signed ? (int32_t)(int8_t)u->v[b * QK + j] : (int32_t)u->v[b * QK + j];
+            half[j / 16] += w * x[b].q[j];
+        }
+        const float dx = x[b].d;
+        total += dx * (u->s[2 * b] * (float)half[0] + u->s[2 * b + 1] * (float)half[1]);
+        offsets += dx * (u->m[2 * b] * x[b].sum[0] + u->m[2 * b + 1] * x[b].sum[1]);
+    }
+    return total - offsets;
+#endif
+}
+
+/* x . w for float activations and a float-typed weight row. */
+static float dot_float(int type, const uint8_t *row, const float *x, int64_t k) {
+    int64_t i = 0;
+    float total = 0.0f;
+#ifdef LLORCH_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) {
+        __m256 w;
+        if (type == T_F32) {
+            w = _mm256_loadu_ps((const float *)row + i);
+        } else if (type == T_F16) {
+            w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+        } else {
+            const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+            w = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+        }
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), w, acc);
+    }
+    total = hsum8(acc);
+#endif
+    for (; i < k; i++) {
+        uint16_t h;
+        memcpy(&h, row + 2 * i, 2);
+        const float w = type == T_F32 ? ((const float *)row)[i] : type == T_F16 ? fp16_to_fp32(h) : bf16_to_fp32(h);
+        total += x[i] * w;
+    }
+    return total;
+}
+
+static inline int is_float_type(int type) { return type == T_F32 || type == T_F16 || type == T_BF16; }
+
+void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const act_block *xq, int64_t m,
+                            float *const *outs) {
+    int64_t first_chunk[4] = {0, 0, 0, 0};
+    for (int i = 0; i < count; i++) first_chunk[i + 1] = first_chunk[i] + (mats[i].rows + ROW_CHUNK - 1) / ROW_CHUNK;
+    const int64_t k = mats[0].cols, blocks = k / QK;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t c = 0; c < first_chunk[count]; c++) {
+        int which = 0;
+        while (c >= first_chunk[which + 1]) which++;
+        const matrix *W = mats + which;
+        const int64_t row_bytes = llorch_row_bytes(W->type, k), n = W->rows;
+        const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
+        const int is_float = is_float_type(W->type), is_signed = W->type == T_Q8_0;
+        const int direct = llorch_has_direct(W->type);
+        float *out = outs[which];
+        unpacked_row u = scratch_row(is_float || direct ? QK : k);
+        for (int64_t i0 = 0; i0 < m; i0 += ACT_TILE) {
+            const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
+            if (direct) {  /* decoded in registers, four activation rows at a time */
+                for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
+                    const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
+                    const act_block *rows[DIRECT_TILE];
+                    for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
+                    llorch_direct_rows(W->type, W->data, row_bytes, j0, j1, k, rows, tile, out + i * n, n);
+                }
+                continue;
+            }
+            for (int64_t j = j0; j < j1; j++) {
+                const uint8_t *row = W->data + j * row_bytes;
+                if (is_float) {
+                    for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_float(W->type, row, x + i * k, k);
+                } else {
+                    llorch_unpack_row(W->type, row, k, &u);
+                    for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_unpacked(&u, xq + i * blocks, blocks, is_signed);
+                }
+            }
+        }
+    }
+}
+
+void llorch_quantize_rows_ws(const float *x, int64_t m, int64_t k, act_block *out) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t i = 0; i < m; i++) llorch_quantize_rows(x + i * k, 1, k, out + i * (k / QK));
+}
+
+/* A whole product on its own: quantizes x when the weights are a block type (into `xq`,
+ * m * k / 32 blocks, provided by the caller), with `threads` threads. */
+void llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, act_block *xq,
+                   int64_t m, float *out, int threads) {
+    const matrix W = {type, 0, w, n, k};
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+        if (!is_float_type(type)) llorch_quantize_rows_ws(x, m, k, xq);
+        llorch_matmul_group_ws(&W, 1, x, xq, m, &out);
+    }
+}

@@ -1,0 +1,57 @@
+/* SIMD helpers the kernels share (AVX2 and up), and the K-quant scale unpacking. */
+#ifndef LLORCH_SIMD_H
+#define LLORCH_SIMD_H
+
+#include "llorch.h"
+
+/* Sub-block j's 6-bit scale and minimum from a Q4_K/Q5_K super-block's 12 packed bytes. */
+static inline void k4_scale_min(int j, const uint8_t *q, uint8_t *scale, uint8_t *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (uint8_t)((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4));
+        *min = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+#ifdef LLORCH_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* Eight int32 lanes of unsigned bytes w times signed bytes x (lanes 0-3: values 0-15). */
+static inline __m256i idot_unsigned(__m256i w, __m256i x) {
+#ifdef LLORCH_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* The same for signed w: |w| times x with w's sign, so no pair product overflows 16 bits. */
+static inline __m256i idot_signed(__m256i w, __m256i x) {
+    return idot_unsigned(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+/* 16 bytes -> their low nibbles then their high nibbles, as 32 bytes. */
+static inline __m256i nibbles(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+}
+
+/* The 32 bits of `bits` as 32 bytes: 0x10 where the bit is set (bit i -> byte i). Byte i takes
+ * source byte i / 8, keeps only bit i % 8, and becomes 0xFF when it was set, then 0x10. */
+static inline __m256i bits_to_bit4(uint32_t bits) {
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select), _mm256_set1_epi8(0x10));
+}
+#endif
+
+#endif

@@ -1,0 +1,130 @@
+"""The block kernels, in every instruction-set variant this machine runs, against references.
+
+- Reading: every GGUF block type, dequantized by our kernels, equals the gguf package's
+  reference dequantization of the same bytes.
+- Products: the kernel quantizes activations to int8 blocks of 32 (one float scale each);
+  its product must equal, up to float rounding, the exact product of those quantized
+  activations with the reference weights: the integer arithmetic itself loses nothing.
+- Batch invariance: a row's result does not depend on the rows it is computed with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as reference_dequantize
+
+from llorch.kernels import blocks, build
+
+pytestmark = pytest.mark.cpu
+
+Q = GGMLQuantizationType
+BLOCK_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# Byte offsets of each block type's float16 scale fields: random bytes there could be NaN.
+F16_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0], Q.Q2_K: [80, 82],
+              Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+VARIANTS = [v.name for v in build.runnable_variants()]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def lib(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return build.load_variant(request.param)
+
+
+def random_matrix(qtype: Q, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random blocks of `qtype` (every bit pattern is a valid block), with sane float16 scales."""
+    rng = np.random.default_rng(seed)
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_values, block_bytes), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        scales = rng.uniform(0.001, 0.05, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def reference_weights(matrix: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
+    return torch.from_numpy(reference_dequantize(matrix.numpy(), qtype).reshape(matrix.shape[0], cols)).double()
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+def test_every_block_type_reads_as_the_reference_dequantizes_it(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
+    matrix = random_matrix(qtype, 9, 512, seed=int(qtype))
+    ours = blocks.dequantize_rows(matrix, int(qtype), 512, lib=lib).double()
+    assert torch.allclose(ours, reference_weights(matrix, qtype, 512), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 5, 70])  # 70: more rows than one activation tile
+def test_products_are_exact_up_to_float_rounding(lib, qtype: Q, rows: int) -> None:  # type: ignore[no-untyped-def]
+    matrix = random_matrix(qtype, 37, 512, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 2
+    exact = blocks.quantize_activations(x, lib=lib).double() @ reference_weights(matrix, qtype, 512).T
+    ours = blocks.matmul(x, matrix, int(qtype), lib=lib).double()
+    assert (ours - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_float_matrices_multiply_the_float_activations(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
+    weight = torch.randn(21, 96, generator=torch.Generator().manual_seed(2))
+    dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+    stored = weight.to(dtype)
+    raw = stored.contiguous().view(torch.uint8).reshape(21, -1)
+    x = torch.randn(3, 96)
+    exact = x.double() @ stored.double().T
+    assert torch.allclose(blocks.matmul(x, raw, int(qtype), lib=lib).double(), exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(blocks.dequantize_rows(raw, int(qtype), 96, lib=lib), stored.float())
+
+
+def test_activation_blocks_keep_the_largest_value_and_round_to_nearest(lib) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(5)) * torch.logspace(-2, 1, 96)
+    again = blocks.quantize_activations(x, lib=lib)
+    maxima = x.reshape(4, 3, 32).abs().amax(-1, keepdim=True)
+    assert torch.allclose(again.reshape(4, 3, 32).abs().amax(-1, keepdim=True), maxima, rtol=1e-6)
+    assert bool(((again - x).abs().reshape(4, 3, 32) <= maxima / 127 / 2 * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
+    """Decoding jobs batched together, or a prompt chunk's rows, get the numbers each gets alone."""
+    matrix = random_matrix(qtype, 50, 256, seed=9)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(9))
+    together = blocks.matmul(x, matrix, int(qtype), lib=lib)
+    for size in (1, 3, 16):
+        for start in range(0, 70 - size + 1, 23):
+            assert torch.equal(blocks.matmul(x[start : start + size], matrix, int(qtype), lib=lib),
+                               together[start : start + size])
+
+
+def test_every_runnable_variant_is_offered_best_first() -> None:
+    names = [v.name for v in build.runnable_variants()]
+    assert names[-1] == "portable"
+    assert len(set(names)) == len(names)
+    if "avx512_vnni" in build.cpu_flags() and "avx512f" in build.cpu_flags():
+        assert names[0] == "avx512-vnni"
+
+
+def test_forcing_a_variant_this_cpu_cannot_run_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLORCH_KERNELS", "no-such-variant")
+    with pytest.raises(build.KernelUnavailable, match="does not run on this CPU"):
+        build.chosen_variant()
+    monkeypatch.setenv("LLORCH_KERNELS", "portable")
+    assert build.chosen_variant().name == "portable"
+
+
+def test_a_missing_compiler_is_reported_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path))
+    with pytest.raises(build.KernelUnavailable, match="no C compiler"):
+        build.build_library(build.runnable_variants()[-1])
+
+
+def test_each_variant_is_built_once_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path))
+    variant = build.runnable_variants()[0]
+    first = build.build_library(variant)
+    stamp = first.stat().st_mtime_ns
+    assert build.build_library(variant) == first and first.stat().st_mtime_ns == stamp
