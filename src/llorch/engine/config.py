@@ -9,8 +9,6 @@ dtype, whether GGUF weights stay quantized, and the KV pool's budget.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,6 +23,7 @@ from llorch.engine.telemetry import Telemetry
 from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
 from llorch.kernels.build import library as kernel_library
+from llorch.memory import release_freed_memory
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
@@ -120,17 +119,6 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate | 
         return ChatTemplate(source, bos, tokenizer.token_text(eos) if eos is not None else "")
     except ChatTemplateError as exc:
         raise StartupError(f"{path or loaded.path}: {exc}") from exc
-
-
-def release_freed_memory() -> None:
-    """Hand the allocator's free pages back to the system once loading is done.
-
-    Parsing a large tokenizer.json (a 262k vocabulary) leaves ~200 MB of freed
-    parser memory that glibc keeps for reuse; nothing reuses it, yet it counts as
-    the worker's resident memory. Trimming takes milliseconds.
-    """
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim this way
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def build_engine(config: EngineConfig, device: torch.device | None = None, *, loaded: LoadedModel | None = None,

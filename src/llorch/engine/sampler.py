@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from llorch.engine.request import SamplingParams
+from llorch.kernels.rows import argmax_rows
 
 # A draw lands strictly below the total mass, whatever float32 rounding does to u * total.
 _BELOW_ONE = 1.0 - 2.0**-20
@@ -141,8 +142,7 @@ def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Seque
     greedy = [s.params.greedy for s in states]
     chosen: list[Tensor] = []
     plain_greedy = [i for i in range(rows) if greedy[i] and _unpenalized(states[i])]
-    argmax = logits[plain_greedy].argmax(dim=-1) if plain_greedy else None
-    by_row = dict(zip(plain_greedy, argmax if argmax is not None else [], strict=True))
+    by_row = dict(zip(plain_greedy, _argmax(logits[plain_greedy]) if plain_greedy else [], strict=True))
     for i, state in enumerate(states):
         if i in by_row:
             chosen.append(by_row[i])
@@ -170,6 +170,13 @@ def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Seque
         at += 1 + 2 * k
         results.append(Sampled(token, logprob, tuple((int(t), v) for t, v in zip(top, values, strict=True))))
     return results
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    """Each row's argmax: in C on the CPU (torch's takes 0.25 ms a row at 262k), torch's elsewhere."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.tensor(argmax_rows(logits), dtype=torch.long)
+    return logits.argmax(dim=-1)
 
 
 def _unpenalized(state: SamplerState) -> bool:

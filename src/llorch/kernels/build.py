@@ -143,6 +143,7 @@ _SIGNATURES = {
     "llorch_quantize_rows": ([_P, _I64, _I64, _P], None),
     "llorch_matmul": ([_INT, _P, _I64, _I64, _P, _P, _I64, _P, _INT], None),
     "llorch_decoder_forward": ([_P, _P, _INT], None),
+    "llorch_argmax_rows": ([_P, _I64, _I64, _P], None),
 }
 
 

@@ -26,12 +26,12 @@ class ModelDesc(ctypes.Structure):
         *((name, _F) for name in ("eps", "attn_scale", "embed_scale", "logit_softcap")),
         ("sandwich", _I32), ("activation", _I32),
         ("embed", ctypes.POINTER(Matrix)), ("final_norm", _P), ("head", ctypes.POINTER(Matrix)),
-        ("layer", ctypes.POINTER(LayerDesc)),
+        ("layer", ctypes.POINTER(LayerDesc)), ("inv_freq", _P * 2), ("rope_scaling", _F * 2),
     ]
 
 
 class StepDesc(ctypes.Structure):
     _fields_ = [
         ("rows", _I64), ("tokens", _P), ("positions", _P), ("write_slots", _P), ("slot_start", _P), ("slots", _P),
-        ("rope_cos", _P * 2), ("rope_sin", _P * 2), ("logit_rows_count", _I64), ("logit_rows", _P), ("logits", _P),
+        ("logit_rows_count", _I64), ("logit_rows", _P), ("logits", _P),
     ]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llorch.models.config import ModelConfig
-from llorch.models.native import NativeDecoder
+from llorch.models.native import NativeDecoder, rope_inverse_frequencies
 from llorch.models.paged import LayerKV, StepBatch
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
 
@@ -48,9 +48,7 @@ def rope_cos_sin(
     `scaling` divides the positions (linear scaling); `freq_factors` divides each inverse
     frequency (Llama 3.1's scaling, stored that way by llama.cpp).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors
+    inv_freq = rope_inverse_frequencies(head_dim, theta, freq_factors, positions.device)
     freqs = (positions.float() / scaling)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos(), angles.sin()

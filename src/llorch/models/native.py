@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
+def rope_inverse_frequencies(head_dim: int, theta: float, factors: Tensor | None,
+                             device: torch.device | None = None) -> Tensor:
+    """theta^(-2i/head_dim), divided by the per-frequency factors when the model has them (float32)."""
+    inverse = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    return (inverse / factors if factors is not None else inverse).float().contiguous()
+
+
 def _matrix(module: nn.Module) -> Matrix:
     if isinstance(module, GGUFLinear | GGUFEmbedding):
         weight, qtype = module.weight, module.qtype
@@ -116,11 +123,17 @@ class NativeDecoder:
         self.model.embed = ctypes.pointer(self.embed)
         self.model.head = ctypes.pointer(self.head)
         self.model.layer = self.layers
+        # Each RoPE variant's inverse frequencies, as the torch path computes them; the C step
+        # turns positions into angles itself.
+        self.inv_freq = [rope_inverse_frequencies(cfg.head_dim, theta, factors) for theta, _, factors
+                         in self.rope_variants]
+        for i in range(2):
+            variant = min(i, len(self.inv_freq) - 1)
+            self.model.inv_freq[i] = self.inv_freq[variant].data_ptr()
+            self.model.rope_scaling[i] = self.rope_variants[variant][1]
 
     def forward(self, input_ids: Tensor, batch: StepBatch, cache: list[LayerKV]) -> Tensor:
         """Logits [R, vocab] of the step's wanted rows (float32)."""
-        from llorch.models.decoder import rope_cos_sin  # the same tables as the torch path
-
         layout = batch.layout
         tokens = input_ids.to(torch.int64).contiguous()
         if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.vocab:
@@ -129,11 +142,6 @@ class NativeDecoder:
             if kv.keys.dtype != torch.float32 or not kv.keys.is_contiguous() or not kv.values.is_contiguous():
                 raise ValueError("the C step needs a contiguous float32 KV cache")
             desc.keys, desc.values = kv.keys.data_ptr(), kv.values.data_ptr()
-        head_dim = self.decoder.config.head_dim
-        tables = [rope_cos_sin(batch.positions, head_dim, theta, scaling, factors)
-                  for theta, scaling, factors in self.rope_variants]
-        cos = [c.contiguous() for c, _ in tables]
-        sin = [s.contiguous() for _, s in tables]
         logits = torch.empty(len(layout.logit_rows), self.vocab, dtype=torch.float32)
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (
             layout.positions, layout.write_slots, layout.slot_start, layout.slots, layout.logit_rows)]
@@ -141,8 +149,5 @@ class NativeDecoder:
                         write_slots=arrays[1].ctypes.data, slot_start=arrays[2].ctypes.data,
                         slots=arrays[3].ctypes.data, logit_rows_count=len(layout.logit_rows),
                         logit_rows=arrays[4].ctypes.data, logits=logits.data_ptr())
-        for i in range(2):
-            step.rope_cos[i] = cos[min(i, len(cos) - 1)].data_ptr()
-            step.rope_sin[i] = sin[min(i, len(sin) - 1)].data_ptr()
         self.lib.llorch_decoder_forward(ctypes.addressof(self.model), ctypes.addressof(step), torch.get_num_threads())
         return logits

@@ -4,9 +4,10 @@ The decode kernels stream every weight once per token; on 4 KB pages that costs 
 miss every 4 KB and stops the hardware prefetchers at each page edge. Measured on the
 default model's 178 MB vocabulary projection (2 threads): 8.2 ms per token on 4 KB
 pages against 5.5 ms on 2 MB pages. Linux gives huge pages to anonymous memory that
-asks for them (MADV_HUGEPAGE) but not to a file's page cache, so the matrices are copied
-out of the mapped file once at load (about 0.1 s for 250 MB) into one region that asks.
-Resident memory is the same either way: touched file pages count as resident too.
+asks for them (MADV_HUGEPAGE) but not to a file's page cache, so the matrices are read
+from the file once at load (about 0.1 s for 250 MB, warm) into one region that asks.
+They are read, not copied from a mapping, so the file's pages never count as the
+worker's memory: resident memory holds each weight once.
 """
 
 from __future__ import annotations
@@ -30,16 +31,15 @@ class WeightArena:
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._used = 0
 
-    def copy(self, source: np.ndarray) -> torch.Tensor:
-        """`source` (a uint8 array of rows) copied into the arena, as a tensor of the same shape."""
+    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, memoryview]:
+        """A fresh uint8 array of `shape` in the arena, as a tensor and as writable bytes."""
         start = -(-self._used // 64) * 64  # rows start 64-byte aligned: whole cache lines
-        end = start + source.nbytes
-        if end > len(self._bytes):
+        size = int(np.prod(shape))
+        if start + size > len(self._bytes):
             raise ValueError("the weight arena is full")
-        view = self._bytes[start:end].reshape(source.shape)
-        view[...] = source
-        self._used = end
-        return torch.from_numpy(view)
+        view = self._bytes[start : start + size]
+        self._used = start + size
+        return torch.from_numpy(view.reshape(shape)), memoryview(view)
 
 
 def arena_bytes(sizes: list[int]) -> int:

@@ -199,6 +199,19 @@ class GGUFFile:
         rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
         return flat.reshape(rows, info.nbytes // rows)
 
+    def read_into(self, name: str, out: memoryview) -> None:
+        """The tensor's bytes read from the file straight into `out` (no mapped page is touched,
+        so the file's pages never count as this process's memory)."""
+        info = self.tensors[name]
+        with self.path.open("rb", buffering=0) as handle:
+            handle.seek(info.offset)
+            done = 0
+            while done < info.nbytes:
+                count = handle.readinto(out[done : info.nbytes])
+                if not count:
+                    raise self._fail(f"tensor {name} ends before its {info.nbytes} bytes")
+                done += count
+
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as float32 in its torch shape."""
         info = self.tensors[name]

@@ -243,10 +243,18 @@ def state_dict_from_gguf(
     for done, (gguf_name, split) in enumerate(plan, start=1):
         try:
             if arena is not None and _matrix(gguf, gguf_name):
-                qtype = torch.tensor(int(gguf.tensors[gguf_name].qtype), dtype=torch.int32)
-                # The splits only select and reorder rows, so they apply to the raw rows as to values.
-                for ours, rows in split(torch.from_numpy(gguf.raw(gguf_name))).items():
-                    state[ours] = arena.copy(rows.numpy())
+                info = gguf.tensors[gguf_name]
+                qtype = torch.tensor(int(info.qtype), dtype=torch.int32)
+                rows, raw = arena.take((info.shape[0], info.nbytes // info.shape[0]))
+                gguf.read_into(gguf_name, raw)
+                # The splits only select and reorder rows, so they apply to the raw rows as to values:
+                # a selection is a view of the arena's rows; a reordering (a copy of the same shape)
+                # is written back over them.
+                for ours, part in split(rows).items():
+                    if part.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
+                        rows.copy_(part)
+                        part = rows
+                    state[ours] = part
                     state[f"{ours}{TYPE_SUFFIX}"] = qtype
             else:
                 for ours, tensor in split(gguf.dequantize(gguf_name)).items():

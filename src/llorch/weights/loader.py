@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from llorch.errors import ModelFileError
 from llorch.kernels.blocks import row_bytes
+from llorch.memory import release_freed_memory
 from llorch.models.config import ModelConfig
 from llorch.models.decoder import Decoder
 from llorch.models.quantized import TYPE_SUFFIX, GGUFEmbedding, GGUFLinear, swap_quantized
@@ -88,6 +89,7 @@ def load_model(
     started = time.perf_counter()
     keep_quantized = keep_quantized and device.type == "cpu"
     source = _hf_source(path) if path.is_dir() else _gguf_source(path)
+    release_freed_memory()  # the tokenizer's parse leftovers go before the weights come in
     log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
     started = time.perf_counter()

@@ -135,12 +135,30 @@ void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads
     float *gate = malloc(sizeof(float) * (size_t)(R * I)), *up = malloc(sizeof(float) * (size_t)(R * I));
     float *parts = malloc(sizeof(float) * (size_t)(items * part_size));
     act_block *xq = malloc(sizeof(act_block) * (size_t)(R * widest / QK));
+    float *rope_tables = malloc(sizeof(float) * (size_t)(4 * R * HD));
 
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
     {
         float *scores = malloc(sizeof(float) * (size_t)(group * ATTN_CHUNK));
+
+        /* the RoPE angles of every row, per variant: cos and sin tables [variant][row][head_dim] */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < R; r++) {
+            for (int var = 0; var < 2; var++) {
+                float *cos_row = rope_tables + ((int64_t)(2 * var) * R + r) * HD;
+                float *sin_row = rope_tables + ((int64_t)(2 * var + 1) * R + r) * HD;
+                const float position = (float)S->positions[r] / M->rope_scaling[var];
+                for (int64_t i = 0; i < HD / 2; i++) {
+                    const float angle = position * M->inv_freq[var][i];
+                    cos_row[i] = cos_row[i + HD / 2] = cosf(angle);
+                    sin_row[i] = sin_row[i + HD / 2] = sinf(angle);
+                }
+            }
+        }
 
         /* token embeddings */
 #ifdef _OPENMP
@@ -154,7 +172,8 @@ void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads
 
         for (int64_t l = 0; l < M->layers; l++) {
             const layer_desc *L = M->layer + l;
-            const float *cos_table = S->rope_cos[L->rope], *sin_table = S->rope_sin[L->rope];
+            const float *cos_table = rope_tables + (int64_t)(2 * L->rope) * R * HD;
+            const float *sin_table = rope_tables + (int64_t)(2 * L->rope + 1) * R * HD;
 
             /* attention input: norm, then q, k, v in one worksharing loop */
 #ifdef _OPENMP
@@ -293,4 +312,33 @@ void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads
     free(up);
     free(parts);
     free(xq);
+    free(rope_tables);
+}
+
+void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float best = row[0];
+        int64_t i = 1;
+#if defined(__AVX512F__)
+        __m512 high = _mm512_set1_ps(best);
+        for (; i + 16 <= cols; i += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + i));
+        best = _mm512_reduce_max_ps(high);
+#elif defined(LLORCH_AVX2)
+        __m256 high = _mm256_set1_ps(best);
+        for (; i + 8 <= cols; i += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + i));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, high);
+        for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+#endif
+        for (; i < cols; i++) best = row[i] > best ? row[i] : best;
+        out[r] = -1;  /* stays -1 when the row holds a NaN (no value equals the max found) */
+        for (int64_t j = 0; j < cols; j++) {
+            if (row[j] != row[j]) break;
+            if (row[j] == best) {
+                out[r] = j;
+                break;
+            }
+        }
+    }
 }

@@ -116,6 +116,8 @@ typedef struct {
     const float *final_norm;
     const matrix *head;
     const layer_desc *layer;
+    const float *inv_freq[2]; /* per RoPE variant: head_dim / 2 inverse frequencies */
+    float rope_scaling[2];    /* per RoPE variant: positions are divided by it (linear scaling) */
 } model_desc;
 
 /* A step's rows: one new token each, of one sequence each (a sequence may have several rows). */
@@ -124,13 +126,15 @@ typedef struct {
     const int64_t *tokens, *positions, *write_slots;
     const int64_t *slot_start; /* where each row's sequence's slot list starts in `slots` (position 0) */
     const int64_t *slots;
-    const float *rope_cos[2], *rope_sin[2]; /* [rows, head_dim] per RoPE table */
     int64_t logit_rows_count;
     const int64_t *logit_rows;
     float *logits; /* [logit_rows_count, vocab] */
 } step_desc;
 
 void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads);
+
+/* The index of each row's largest value (the first one, as torch.argmax); -1 for a row with a NaN. */
+void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
 
 /* Bytes one row of `k` values takes in a type (0: not a type these kernels read). */
 int64_t llorch_row_bytes(int type, int64_t k);
