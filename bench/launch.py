@@ -71,11 +71,11 @@ def wait_ready(server: Server, ready: Callable[[httpx.Response], bool] = healthy
 
 
 def start_server(command: list[str], base_url: str, ready: Callable[[httpx.Response], bool] = healthy,
-                 log_path: Path | None = None, wait: bool = True) -> Server:
+                 log_path: Path | None = None, wait: bool = True, env: dict[str, str] | None = None) -> Server:
     """Run `command` (its output to `log_path`, or discarded) and, with `wait`, wait until it is ready."""
     began = time.perf_counter()
     out = log_path.open("wb") if log_path else subprocess.DEVNULL
-    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(process, base_url, log_path)
     server.start_to_ready_s = time.perf_counter() - began
     if wait:

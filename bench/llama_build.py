@@ -1,51 +1,113 @@
-"""llama.cpp's own HTTP server (`llama-server`), built once on this machine for the benchmarks.
+"""llama.cpp for the benchmarks: one build, from the pinned source, serving every llama.cpp row.
 
-llama-cpp-python's Python server answers one request at a time; llama.cpp's C++
-server has parallel slots with continuous batching, which is the fair comparator for
-a batching worker. PyPI's llama-cpp-python source distribution vendors llama.cpp, so
-the server is built from that pinned source: no network beyond the package index.
+PyPI's llama-cpp-python source distribution vendors llama.cpp; it is built once on this
+machine (native CPU flags, shared libraries) and cached. That one build gives:
+- `llama-server`, llama.cpp's own HTTP server (parallel slots, continuous batching);
+- `llama-quantize`, to make the Q4_K_M benchmark model;
+- the shared libraries that llama-cpp-python's Python bindings load for the in-process
+  rows (taken from the same source distribution and pointed at this build through
+  LLAMA_CPP_LIB_PATH, so no second build is made by pip);
+- `convert_hf_to_gguf.py` and its gguf-py, to turn a Hugging Face model into GGUF.
+No network is used beyond the package index.
 
-    python bench/llama_server.py        # build (or find) it and print its path
+    python bench/llama_build.py        # build (or find) it and print where it is
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+PINNED = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("LLORCH_BENCH_CACHE", Path.home() / ".cache" / "llorch-bench"))
+HOME = CACHE / PINNED.replace("==", "-")
+TARGETS = ("llama-server", "llama-quantize", "llama")
 
 
-def ensure_llama_server() -> Path:
-    """The path of a native-CPU llama-server binary, building it on first use (several minutes)."""
-    binary = CACHE / LLAMA_CPP_PYTHON.replace("==", "-") / "llama-server"
-    if binary.exists():
-        return binary
-    binary.parent.mkdir(parents=True, exist_ok=True)
+def ensure_build(log: Path | None = None) -> Path:
+    """The directory holding the build (bin/, lib/, python/, converter/), building it on first use."""
+    if (HOME / "ready").exists():
+        return HOME
+    if HOME.exists():
+        shutil.rmtree(HOME)
+    staging = HOME.with_name(HOME.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    out = log.open("a") if log else subprocess.DEVNULL
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "-d", str(work), LLAMA_CPP_PYTHON], check=True, stdout=subprocess.DEVNULL)
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as archive:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
+                        PINNED], check=True, stdout=out, stderr=out)
+        with tarfile.open(next(work.glob("llama_cpp_python-*.tar.gz"))) as archive:
             archive.extractall(work, filter="data")
-        source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        package = next(work.glob("llama_cpp_python-*"))
+        source = package / "vendor" / "llama.cpp"
         build = work / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"],
-                       check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)],
-                       check=True, stdout=subprocess.DEVNULL)
-        built = next(build.rglob("llama-server"))
-        built.replace(binary)
-    return binary
+        subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                        "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=ON"], check=True, stdout=out, stderr=out)
+        subprocess.run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(os.cpu_count() or 1)],
+                       check=True, stdout=out, stderr=out)
+        (staging / "bin").mkdir()
+        (staging / "lib").mkdir()
+        for name in ("llama-server", "llama-quantize"):
+            shutil.copy2(next(build.rglob(name)), staging / "bin" / name)
+        for library in build.rglob("*.so*"):
+            shutil.copy2(library, staging / "lib" / library.name, follow_symlinks=True)
+        shutil.copytree(package / "llama_cpp", staging / "python" / "llama_cpp")
+        (staging / "converter").mkdir()
+        shutil.copy2(source / "convert_hf_to_gguf.py", staging / "converter")
+        for extra in ("gguf-py", "conversion"):
+            if (source / extra).exists():
+                shutil.copytree(source / extra, staging / "converter" / extra)
+    (staging / "ready").write_text(PINNED)
+    staging.replace(HOME)
+    return HOME
+
+
+def server_binary() -> Path:
+    return ensure_build() / "bin" / "llama-server"
+
+
+def quantize_binary() -> Path:
+    return ensure_build() / "bin" / "llama-quantize"
+
+
+def library_environment() -> dict[str, str]:
+    """Environment for running the build's binaries: its shared libraries on the loader's path."""
+    lib = str(ensure_build() / "lib")
+    return {**os.environ, "LD_LIBRARY_PATH": f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+
+
+def bindings() -> ModuleType:
+    """llama-cpp-python's Python package, loading this build's libllama."""
+    home = ensure_build()
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(home / "lib")
+    if str(home / "python") not in sys.path:
+        sys.path.insert(0, str(home / "python"))
+    import llama_cpp
+
+    return llama_cpp
+
+
+def convert_hf_to_gguf(directory: Path, output: Path, outtype: str = "f16") -> None:
+    """llama.cpp's own converter from the pinned source, with its own gguf-py."""
+    converter = ensure_build() / "converter"
+    environment = {**os.environ, "PYTHONPATH": f"{converter / 'gguf-py'}:{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(directory), "--outfile", str(output),
+                    "--outtype", outtype], check=True, env=environment, stdout=subprocess.DEVNULL)
+
+
+def quantize(source: Path, output: Path, kind: str = "Q4_K_M") -> None:
+    subprocess.run([str(quantize_binary()), str(source), str(output), kind], check=True,
+                   env=library_environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
-    print(ensure_llama_server())
+    print(ensure_build())

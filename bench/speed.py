@@ -1,22 +1,27 @@
-"""Single-stream speed, start-up and memory beside llama.cpp and transformers, in one run.
+"""Everything speed, memory and fidelity, beside llama.cpp and transformers, in one run.
 
     make bench                      # = python bench/speed.py
-    python bench/speed.py [--threads N] [--reps 3] [--device cpu|cuda] [--skip-transformers] [--skip-llama]
+    python bench/speed.py [--threads N] [--reps 3] [--models default,1b] [--clients 1,8,16,32]
+                          [--skip-transformers] [--skip-llama] [--skip-concurrency] [--skip-fidelity]
 
-Same model file (the default Gemma 3 270M Q4_K_M GGUF), same prompt token ids, same
-thread count, one process tree:
-- llorch in-process: the model runner fed directly (int8 blocks, and --dequantize's
-  float weights as the before-figure), greedy;
-- llorch over HTTP: a worker process, one streamed /execute job per repetition;
-- llama.cpp in-process: PyPI's llama-cpp-python (the `bench` extra), greedy;
-- llama.cpp over HTTP: its own `llama-server` (built once, bench/llama_server.py);
-- transformers' generate (float32), greedy.
+For each model (the embedded default model, and a Llama of 1.1 billion parameters in
+Q4_K_M built on this machine, see models.py), on the same file, prompt token ids and
+thread count:
+- single stream, in-process: llorch's runner fed directly (the C step on the file's
+  blocks; `--dequantize`'s float32 weights through torch as the old path), llama.cpp
+  through its Python bindings, transformers' generate (float32);
+- single stream over HTTP: a llorch worker with default flags, and llama.cpp's own
+  `llama-server`; each restarted per repetition for its warm start-to-ready time, with
+  its peak resident memory (VmHWM) holding one slot of 4096 tokens;
+- concurrency: aggregate tokens/s and time to first token at 1, 8, 16 and 32 streaming
+  clients against a llorch worker and llama-server with as many slots;
+- fidelity: mean KL divergence and top-token agreement against the file computed exactly
+  in float32, llorch beside llama.cpp (fidelity.py).
 Figures: prefill tokens/s at 512 prompt tokens (= 512 / time to first token), decode
-tokens/s over 128 tokens, time to first token, start-to-ready (process start to
-/health ready, warm caches), peak resident memory (VmHWM) of each server with one
-slot of 4096 tokens. Medians over --reps with min..max; ratios are to llama.cpp.
-The roofline divides measured memory bandwidth by the bytes of weights one decoded
-token reads. Writes bench/results/speed-<timestamp>.json and .png.
+tokens/s over 128 tokens; medians over --reps with min..max; ratios are to llama.cpp.
+One llama.cpp build serves both llama.cpp rows (llama_build.py). A row that fails is
+reported as failed, with its reason, and every other row still runs. Writes
+bench/results/speed-<device>-<time>.json and .png.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,10 +39,14 @@ import httpx
 import numpy as np
 import torch
 
-from launch import free_port, start_server
+import concurrency
+import fidelity
+import llama_build
+import models
+from launch import free_port, start_server, stop
+from llorch.device import cpuinfo, physical_cores
 from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
 from llorch.engine.runner import ModelRunner, Segment
-from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
 from soak import rss_mb
@@ -52,7 +61,7 @@ HIGHER_IS_BETTER = {"prefill_tok_s", "decode_tok_s"}
 
 def prompt_ids(loaded: LoadedModel) -> list[int]:
     """Exactly PROMPT_TOKENS ids (BOS first) of ordinary English text."""
-    text = " ".join(f"Item {i} of the inventory is a box of {i % 7 + 2} red apples." for i in range(200))
+    text = " ".join(f"Item {i} of the inventory is a box of {i % 7 + 2} red apples." for i in range(300))
     return loaded.tokenizer.encode(text)[:PROMPT_TOKENS]
 
 
@@ -72,11 +81,11 @@ def timed_greedy(prefill: Callable[[], int], step: Callable[[int, int], int]) ->
     return {"prefill_tok_s": PROMPT_TOKENS / ttft, "decode_tok_s": DECODE_TOKENS / decode, "ttft_s": ttft}
 
 
-# -- in-process engines --------------------------------------------------------------------------
-def bench_llorch(loaded: LoadedModel, ids: list[int], device: torch.device) -> dict[str, float]:
+# -- in-process engines ------------------------------------------------------------------------------
+def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
     tokens = PROMPT_TOKENS + DECODE_TOKENS + 1
-    runner = ModelRunner(loaded.model, device, loaded.dtype, kv_cache_bytes=(tokens // BLOCK_SIZE + 3)
-                         * bytes_per_block(loaded.config, loaded.dtype))
+    runner = ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype,
+                         kv_cache_bytes=(tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, loaded.dtype))
     blocks = list(range(1, runner.kv.num_blocks))
 
     def forward(segment: Segment) -> int:
@@ -87,17 +96,10 @@ def bench_llorch(loaded: LoadedModel, ids: list[int], device: torch.device) -> d
                         lambda token, i: forward(Segment([token], PROMPT_TOKENS + i, blocks, True)))
 
 
-def llama_cpp_engine(model: Path, threads: int, device: str) -> Any:
-    from llama_cpp import Llama, llama_supports_gpu_offload
+def bench_llama_cpp(llama_cpp: Any, model: Path, ids: list[int], threads: int) -> dict[str, float]:
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_batch=PROMPT_TOKENS, n_ubatch=PROMPT_TOKENS,
+                          n_threads=threads, n_threads_batch=threads, verbose=False)
 
-    if device == "cuda" and not llama_supports_gpu_offload():
-        raise RuntimeError("this llama-cpp-python build has no GPU offload")
-    return Llama(model_path=str(model), n_ctx=1024, n_batch=PROMPT_TOKENS, n_ubatch=PROMPT_TOKENS,
-                 n_threads=threads, n_threads_batch=threads, n_gpu_layers=-1 if device == "cuda" else 0,
-                 verbose=False)
-
-
-def bench_llama_cpp(llm: Any, ids: list[int]) -> dict[str, float]:
     def next_token() -> int:  # argmax of the last evaluated token's logits, as ours is
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
@@ -110,15 +112,15 @@ def bench_llama_cpp(llm: Any, ids: list[int]) -> dict[str, float]:
         llm.eval([token])
         return next_token()
 
+    timed_greedy(prefill, step)  # warm-up
     return timed_greedy(prefill, step)
 
 
-def bench_transformers(model: Path, ids: list[int], device: str) -> dict[str, float]:
+def bench_transformers(model: Path, ids: list[int]) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=dtype).to(device)
-    prompt = torch.tensor([ids], device=device)
+    hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32)
+    prompt = torch.tensor([ids])
     greedy = {"do_sample": False, "top_p": None, "top_k": None}
     with torch.inference_mode():
         hf.generate(prompt, max_new_tokens=2, **greedy)  # warm-up
@@ -131,13 +133,14 @@ def bench_transformers(model: Path, ids: list[int], device: str) -> dict[str, fl
     return {"prefill_tok_s": PROMPT_TOKENS / ttft, "decode_tok_s": DECODE_TOKENS / decode, "ttft_s": ttft}
 
 
-# -- servers -------------------------------------------------------------------------------------
-def stream_llorch(http: httpx.Client, prompt: str) -> list[float]:
-    """Arrival times of each streamed token of one greedy job."""
+# -- servers over HTTP -------------------------------------------------------------------------------
+def stream_llorch(base_url: str, prompt: str) -> list[float]:
+    """Arrival times of each streamed token of one greedy job (its own connection)."""
     body = {"job_id": f"speed-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": DECODE_TOKENS,
             "temperature": 0}
     arrivals = [time.perf_counter()]
-    with http.stream("POST", "/execute", json=body, headers={"accept": "application/x-ndjson"}) as response:
+    with httpx.stream("POST", f"{base_url}/execute", json=body, headers={"accept": "application/x-ndjson"},
+                      timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             event = json.loads(line)
@@ -148,10 +151,13 @@ def stream_llorch(http: httpx.Client, prompt: str) -> list[float]:
     return arrivals
 
 
-def stream_llama_server(http: httpx.Client, prompt: str) -> list[float]:
-    body = {"prompt": prompt, "n_predict": DECODE_TOKENS, "temperature": 0, "stream": True, "cache_prompt": False}
+def stream_llama_server(base_url: str, prompt: str) -> list[float]:
+    body = {"prompt": prompt, "n_predict": DECODE_TOKENS, "temperature": 0, "stream": True, "cache_prompt": False,
+            "ignore_eos": True}
     arrivals = [time.perf_counter()]
-    with http.stream("POST", "/completion", json=body) as response:
+    # A connection of its own: llama-server closes idle kept-alive connections, so a second
+    # request on a kept-alive connection can find it gone ("Server disconnected").
+    with httpx.stream("POST", f"{base_url}/completion", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:]).get("content"):
@@ -160,57 +166,112 @@ def stream_llama_server(http: httpx.Client, prompt: str) -> list[float]:
 
 
 def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response], bool],
-                 stream: Callable[[httpx.Client, str], list[float]], prompt: str, reps: int
-                 ) -> tuple[list[dict[str, float]], list[float]]:
-    """Per-rep streamed figures, and start-to-ready of each (re)start; peak RSS over the whole run."""
-    process = start_server(command, url, ready).process  # the first start fills caches: not a warm start
-    process.terminate()
-    process.wait(30)
-    runs, starts = [], []
+                 stream: Callable[[str, str], list[float]], prompt: str, reps: int,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per-rep streamed figures, start-to-ready of each (warm) restart and its peak RSS."""
+    stop(start_server(command, url, ready, env=env))  # the first start fills caches: not a warm start
+    runs = []
     for _ in range(reps):
-        server = start_server(command, url, ready)
-        process, seconds = server.process, server.start_to_ready_s
-        starts.append(seconds)
+        server = start_server(command, url, ready, env=env)
         try:
-            with httpx.Client(base_url=url, timeout=600) as http:
-                stream(http, prompt)  # warm-up request
-                arrivals = stream(http, prompt)
+            stream(url, prompt)  # warm-up request
+            arrivals = stream(url, prompt)
             first, tokens = arrivals[1] - arrivals[0], len(arrivals) - 1
             runs.append({"prefill_tok_s": PROMPT_TOKENS / first, "ttft_s": first,
                          "decode_tok_s": (tokens - 1) / (arrivals[-1] - arrivals[1]),
-                         "peak_rss_mb": rss_mb(process.pid, "VmHWM")})
+                         "start_to_ready_s": server.start_to_ready_s,
+                         "peak_rss_mb": rss_mb(server.process.pid, "VmHWM")})
         finally:
-            process.terminate()
-            process.wait(30)
-    return runs, starts
+            stop(server)
+    return summarize(runs)
 
 
-def llorch_server(args: argparse.Namespace, prompt: str, extra: list[str]) -> dict[str, Any]:
+def llorch_worker_command(args: argparse.Namespace, model: Path, port: int, slots: int, context: int) -> list[str]:
+    from launch import worker_command
+
+    return [*worker_command(), "--model", str(model), "--port", str(port), "--threads", str(args.threads),
+            "--max-running", str(slots), "--ctx-size", str(context), "--log-level", "warning"]
+
+
+def llama_server_command(args: argparse.Namespace, model: Path, port: int, slots: int, context: int) -> list[str]:
+    return [str(llama_build.server_binary()), "-m", str(model), "--port", str(port), "-t", str(args.threads), "-tb",
+            str(args.threads), "-np", str(slots), "-c", str(slots * context), "-cb", "--no-webui",
+            "--threads-http", str(slots + 2)]
+
+
+def llorch_healthy(response: httpx.Response) -> bool:
+    return response.json().get("status") == "healthy"
+
+
+def llama_healthy(response: httpx.Response) -> bool:
+    return response.status_code == 200
+
+
+# -- one model -----------------------------------------------------------------------------------------
+def attempt(section: dict[str, Any], name: str, measure: Callable[[], Any], into: str = "engines") -> None:
+    """Run one row; a failure is recorded with its reason and the run goes on."""
+    print(f"  {name}", flush=True)
+    try:
+        section.setdefault(into, {})[name] = measure()
+    except Exception as exc:  # a comparator that fails is reported, the other rows still run
+        section.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
+        print(f"    failed: {type(exc).__name__}: {exc}", flush=True)
+        traceback.print_exc()
+
+
+def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: Any | None) -> dict[str, Any]:
+    section: dict[str, Any] = {"file": model.name, "file_mb": round(model.stat().st_size / 1e6, 1)}
+    served = load_model(model, torch.device("cpu"), torch.float32, keep_quantized=True)
+    ids = prompt_ids(served)
+    prompt = served.tokenizer.decode(ids[1:])  # without BOS: both servers add it
+    section["bytes_per_token"] = {"llorch": sum(m.weight.numel() for m in served.model.modules()
+                                                if hasattr(m, "weight_type")),
+                                  "llama.cpp": sum(t.nbytes for t in GGUFFile(model).tensors.values())}
+    print(f"{label}: {model.name}", flush=True)
+
+    def in_process(loaded: LoadedModel) -> dict[str, Any]:
+        return summarize([bench_llorch(loaded, ids) for _ in range(args.reps + 1)][1:])  # the first: warm-up
+
+    attempt(section, "llorch (in-process)", lambda: in_process(served))
+    served = None  # the worker rows below start their own processes: free this copy first
+    if not args.skip_dequantize:
+        def dense() -> dict[str, Any]:
+            return in_process(load_model(model, torch.device("cpu"), torch.float32))
+
+        attempt(section, "llorch --dequantize (in-process)", dense)
     port = free_port()
-    program = "llorch-cuda-worker" if args.device == "cuda" else "llorch-cpu-worker"
-    command = [str(Path(sys.executable).parent / program), "--port", str(port), "--threads", str(args.threads),
-               "--max-running", "1", "--ctx-size", str(SERVER_CONTEXT), "--log-level", "warning",
-               "--no-prefix-cache", *extra]  # every rep reads its whole prompt, as llama-server's do
-    runs, starts = bench_server(command, f"http://127.0.0.1:{port}", lambda r: r.json().get("status") == "healthy",
-                                stream_llorch, prompt, args.reps)
-    return {**summarize(runs), "start_to_ready_s": summarize([{"s": s} for s in starts])["s"]}
+    attempt(section, "llorch (HTTP)", lambda: bench_server(
+        [*llorch_worker_command(args, model, port, 1, SERVER_CONTEXT), "--no-prefix-cache"],
+        f"http://127.0.0.1:{port}", llorch_healthy, stream_llorch, prompt, args.reps))
+    if llama_cpp is not None:
+        attempt(section, "llama.cpp (in-process)", lambda: summarize(
+            [bench_llama_cpp(llama_cpp, model, ids, args.threads) for _ in range(args.reps)]))
+        port = free_port()
+        attempt(section, "llama.cpp (HTTP)", lambda: bench_server(
+            llama_server_command(args, model, port, 1, SERVER_CONTEXT), f"http://127.0.0.1:{port}", llama_healthy,
+            stream_llama_server, prompt, args.reps, env=llama_build.library_environment()))
+    if not args.skip_transformers and label == "default":
+        attempt(section, "transformers f32 (in-process)", lambda: summarize([bench_transformers(model, ids)]))
+    if not args.skip_concurrency:
+        slots = max(args.clients)
+        port = free_port()
+        attempt(section, "llorch", lambda: concurrency.bench_server(
+            "llorch", llorch_worker_command(args, model, port, slots, concurrency.SLOT_CONTEXT),
+            f"http://127.0.0.1:{port}", llorch_healthy, concurrency.llorch_job, args), into="concurrency")
+        if llama_cpp is not None:
+            port = free_port()
+            attempt(section, "llama.cpp", lambda: concurrency.bench_server(
+                "llama.cpp", llama_server_command(args, model, port, slots, concurrency.SLOT_CONTEXT),
+                f"http://127.0.0.1:{port}", llama_healthy, concurrency.llama_job, args,
+                env=llama_build.library_environment()), into="concurrency")
+    if not args.skip_fidelity:
+        attempt(section, "kl", lambda: fidelity.measure(model, args.threads, llama_cpp), into="fidelity")
+    return section
 
 
-def llama_server(args: argparse.Namespace, model: Path, prompt: str) -> dict[str, Any]:
-    from llama_server import ensure_llama_server
-
-    port = free_port()
-    command = [str(ensure_llama_server()), "-m", str(model), "--port", str(port), "-t", str(args.threads),
-               "-tb", str(args.threads), "-np", "1", "-c", str(SERVER_CONTEXT), "--no-webui"]
-    runs, starts = bench_server(command, f"http://127.0.0.1:{port}", lambda r: r.status_code == 200,
-                                stream_llama_server, prompt, args.reps)
-    return {**summarize(runs), "start_to_ready_s": summarize([{"s": s} for s in starts])["s"]}
-
-
-# -- roofline ------------------------------------------------------------------------------------
 def memory_bandwidth_gb_s() -> float:
     """Read bandwidth: the best of several sums over a buffer far larger than the caches."""
-    buffer = torch.ones(2**28 // 4 * 4, dtype=torch.float32)  # 1 GiB
+    buffer = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
     best = float("inf")
     for _ in range(5):
         started = time.perf_counter()
@@ -219,93 +280,98 @@ def memory_bandwidth_gb_s() -> float:
     return buffer.numel() * 4 / best / 1e9
 
 
-def weight_bytes(loaded: LoadedModel) -> int:
-    """Bytes one decoded token reads: every matrix once (the tied embedding as the output
-    projection); the embedding lookup itself reads one row."""
-    return sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
+def cpu_flags() -> str:
+    for line in cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return " ".join(sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx"))))
+    return ""
 
 
-# -- report --------------------------------------------------------------------------------------
-def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(args.device)
-    model = default_model_path()
-    results: dict[str, Any] = {"model": model.name, "device": args.device, "threads": args.threads,
-                               "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
-                               "reps": args.reps, "engines": {}}
-    engines = results["engines"]
-    quantized = load_model(model, device, torch.float32 if args.device == "cpu" else torch.bfloat16,
-                           keep_quantized=True)
-    ids = prompt_ids(quantized)
-    prompt = quantized.tokenizer.decode(ids[1:])  # without BOS: both servers add it
-    label = "llorch int8 (in-process)" if args.device == "cpu" else "llorch bf16 (in-process)"
-    print(label, flush=True)
-    bench_llorch(quantized, ids, device)
-    engines[label] = summarize([bench_llorch(quantized, ids, device) for _ in range(args.reps)])
-    if args.device == "cpu":
-        dense = load_model(model, device, torch.float32)
-        print("llorch float32 weights (in-process, --dequantize)", flush=True)
-        bench_llorch(dense, ids, device)
-        engines["llorch f32 --dequantize (in-process)"] = summarize(
-            [bench_llorch(dense, ids, device) for _ in range(args.reps)])
-        results["bytes_per_token"] = {"llorch int8": weight_bytes(quantized), "llorch f32": weight_bytes(dense)}
-        del dense
-    print("llorch worker (HTTP)", flush=True)
-    engines["llorch (HTTP)"] = llorch_server(args, prompt, [])
-    if not args.skip_llama:
-        try:
-            llm = llama_cpp_engine(model, args.threads, args.device)
-        except (ImportError, RuntimeError) as exc:
-            results["llama_cpp_unavailable"] = str(exc)
-            print(f"llama.cpp in-process unavailable: {exc}", flush=True)
-        else:
-            print("llama.cpp (in-process)", flush=True)
-            bench_llama_cpp(llm, ids)
-            engines["llama.cpp (in-process)"] = summarize([bench_llama_cpp(llm, ids) for _ in range(args.reps)])
-            del llm
-        if args.device == "cpu":
-            print("llama.cpp server (HTTP)", flush=True)
-            engines["llama.cpp (HTTP)"] = llama_server(args, model, prompt)
-        gguf = GGUFFile(model)
-        results.setdefault("bytes_per_token", {})["llama.cpp"] = sum(t.nbytes for t in gguf.tensors.values())
-    if not args.skip_transformers:
-        print("transformers generate", flush=True)
-        engines["transformers f32 (in-process)"] = summarize([bench_transformers(model, ids, args.device)])
-    if args.device == "cpu":
-        results["memory_bandwidth_gb_s"] = memory_bandwidth_gb_s()
-    return results
+# -- report ----------------------------------------------------------------------------------------------
+def ratio(mine: dict[str, Any] | None, theirs: dict[str, Any] | None, metric: str) -> float | None:
+    if not mine or not theirs or metric not in mine or metric not in theirs:
+        return None
+    return mine[metric]["median"] / theirs[metric]["median"]
 
 
-def reference_for(name: str) -> str:
-    return "llama.cpp (HTTP)" if name.endswith("(HTTP)") else "llama.cpp (in-process)"
+def report(results: dict[str, Any]) -> list[str]:
+    lines = [f"machine: {results['machine']['cpu']}; {results['threads']} threads; read bandwidth "
+             f"{results['machine']['bandwidth_gb_s']:.1f} GB/s; CPU flags: {results['machine']['flags']}"]
+    for label, section in results["models"].items():
+        engines = section.get("engines", {})
+        lines += ["", f"## {label}: {section['file']} ({section['file_mb']} MB); prompt {PROMPT_TOKENS}, decode "
+                  f"{DECODE_TOKENS}; median (min..max) of {results['reps']} reps; ratio = ours / llama.cpp", ""]
+        header = ["engine", "prefill tok/s", "decode tok/s", "TTFT s", "start-to-ready s", "peak RSS MB"]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for name, figures in engines.items():
+            reference = engines.get("llama.cpp (HTTP)" if name.endswith("(HTTP)") else "llama.cpp (in-process)")
+            cells = [name]
+            for metric in METRICS:
+                if metric not in figures:
+                    cells.append("-")
+                    continue
+                m = figures[metric]
+                cell = f"{m['median']:.3g} ({m['min']:.3g}..{m['max']:.3g})"
+                r = ratio(figures, reference, metric) if reference is not figures else None
+                cells.append(cell + (f" **{r:.2f}x**" if r is not None else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+        for name, reason in section.get("failed", {}).items():
+            lines.append(f"| {name} | failed: {reason} | | | | |")
+        levels = section.get("concurrency", {})
+        if levels:
+            lines += ["", "| clients | llorch tok/s | llama.cpp tok/s | ratio | llorch TTFT p50 / p99 s | "
+                      "llama.cpp TTFT p50 / p99 s |", "|---|---|---|---|---|---|"]
+            ours = levels.get("llorch", {}).get("levels", [])
+            theirs = {lv["clients"]: lv for lv in levels.get("llama.cpp", {}).get("levels", [])}
+            for mine in ours:
+                other = theirs.get(mine["clients"])
+                r = f"**{mine['tokens_per_s'] / other['tokens_per_s']:.2f}x**" if other else "-"
+                other_tps = f"{other['tokens_per_s']:.1f}" if other else "-"
+                other_ttft = f"{other['ttft_p50_s']:.2f} / {other['ttft_p99_s']:.2f}" if other else "-"
+                lines.append(f"| {mine['clients']} | {mine['tokens_per_s']:.1f} | {other_tps} | {r} | "
+                             f"{mine['ttft_p50_s']:.2f} / {mine['ttft_p99_s']:.2f} | {other_ttft} |")
+        kl = section.get("fidelity", {}).get("kl")
+        if kl:
+            parts = [f"{name}: mean KL {f['kl_mean']:.5f}, top-1 {f['top1_agreement']:.1%}"
+                     for name, f in kl.items() if isinstance(f, dict)]
+            lines += ["", f"fidelity against the file computed exactly in float32, {kl['tokens']} tokens of English "
+                      "text: " + "; ".join(parts)]
+        bandwidth = results["machine"]["bandwidth_gb_s"]
+        lines += [""] + [f"roofline {name}: {size / 1e6:.1f} MB per token -> at most {bandwidth * 1e9 / size:.0f} "
+                         "decode tok/s" for name, size in section["bytes_per_token"].items()]
+        lines += ["", *goals(section)]
+    return lines
 
 
-def report(results: dict[str, Any]) -> None:
-    engines = results["engines"]
-    print(f"\n{results['model']} on {results['device']}, {results['threads']} threads, prompt {PROMPT_TOKENS} tokens,"
-          f" decode {DECODE_TOKENS}; median (min..max) of {results['reps']} reps; ratio = ours / llama.cpp, "
-          "higher is better for tok/s, lower for the rest\n")
-    header = ["engine", "prefill tok/s", "decode tok/s", "TTFT s", "start-to-ready s", "peak RSS MB"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for name, figures in engines.items():
-        reference = engines.get(reference_for(name))
-        cells = [name]
-        for metric in METRICS:
-            if metric not in figures:
-                cells.append("-")
-                continue
-            m = figures[metric]
-            cell = f"{m['median']:.3g} ({m['min']:.3g}..{m['max']:.3g})"
-            if reference is not None and reference is not figures and metric in reference:
-                cell += f" **{m['median'] / reference[metric]['median']:.2f}x**"
-            cells.append(cell)
-        print("| " + " | ".join(cells) + " |")
-    if "memory_bandwidth_gb_s" in results and "bytes_per_token" in results:
-        bandwidth = results["memory_bandwidth_gb_s"]
-        print(f"\nroofline: measured read bandwidth {bandwidth:.1f} GB/s")
-        for name, size in results["bytes_per_token"].items():
-            print(f"  {name:12s} {size / 1e6:7.1f} MB of weights per token -> at most {bandwidth * 1e9 / size:6.1f} "
-                  "decode tok/s")
+def goals(section: dict[str, Any]) -> list[str]:
+    """The issue's goals, met or not, from this run's figures."""
+    engines, checks = section.get("engines", {}), []
+
+    def check(name: str, value: float | None, goal: str, met: bool | None) -> None:
+        shown = f"{value:.2f}" if value is not None else "not measured"
+        verdict = "met" if met else ("NOT met" if met is not None else "unknown")
+        checks.append(f"- {name}: {shown} (goal {goal}): {verdict}")
+
+    for where in ("(in-process)", "(HTTP)"):
+        r = ratio(engines.get(f"llorch {where}"), engines.get(f"llama.cpp {where}"), "decode_tok_s")
+        check(f"decode {where} vs llama.cpp", r, ">= 1.0x", None if r is None else r >= 1.0)
+    r = ratio(engines.get("llorch (in-process)"), engines.get("llama.cpp (in-process)"), "prefill_tok_s")
+    check("prefill at 512 vs llama.cpp", r, ">= 1.0x", None if r is None else r >= 1.0)
+    levels = section.get("concurrency", {})
+    ours = {lv["clients"]: lv for lv in levels.get("llorch", {}).get("levels", [])}
+    theirs = {lv["clients"]: lv for lv in levels.get("llama.cpp", {}).get("levels", [])}
+    for clients in (8, 16):
+        r = ours[clients]["tokens_per_s"] / theirs[clients]["tokens_per_s"] if clients in ours and clients in theirs \
+            else None
+        check(f"aggregate at {clients} clients vs llama-server", r, ">= 1.5x", None if r is None else r >= 1.5)
+    kl = section.get("fidelity", {}).get("kl", {})
+    if "llorch" in kl and "llama.cpp" in kl:
+        check("KL vs llama.cpp's", kl["llorch"]["kl_mean"] / kl["llama.cpp"]["kl_mean"], "<= 1.0x",
+              kl["llorch"]["kl_mean"] <= kl["llama.cpp"]["kl_mean"])
+    for metric, goal in (("start_to_ready_s", 2.0), ("peak_rss_mb", 1.5)):
+        r = ratio(engines.get("llorch (HTTP)"), engines.get("llama.cpp (HTTP)"), metric)
+        check(f"{metric} vs llama-server", r, f"<= {goal}x", None if r is None else r <= goal)
+    return ["goals:", *checks]
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -314,46 +380,79 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    engines = results["engines"]
-    names = list(engines)
-    figure, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 4.5))
+    sections = list(results["models"].items())
+    figure, axes = plt.subplots(len(sections), len(METRICS) + 1, figsize=(4 * (len(METRICS) + 1), 4.2 * len(sections)),
+                                squeeze=False)
     titles = {"prefill_tok_s": "prefill tok/s (512)", "decode_tok_s": "decode tok/s (128)", "ttft_s": "TTFT s",
               "start_to_ready_s": "start-to-ready s", "peak_rss_mb": "peak RSS MB"}
-    colors = ["tab:blue" if n.startswith("llorch") else "tab:orange" if "llama" in n else "tab:gray" for n in names]
-    for axis, metric in zip(axes, METRICS, strict=True):
-        spans = [engines[n].get(metric, {"median": 0, "min": 0, "max": 0}) for n in names]
-        medians = [s["median"] for s in spans]
-        low, high = [s["median"] - s["min"] for s in spans], [s["max"] - s["median"] for s in spans]
-        axis.barh(range(len(names)), medians, xerr=[low, high], color=colors)
-        axis.set_yticks(range(len(names)), names if axis is axes[0] else [""] * len(names), fontsize=8)
-        axis.invert_yaxis()
-        axis.set_title(titles[metric] + (" (higher better)" if metric in HIGHER_IS_BETTER else " (lower better)"),
-                       fontsize=9)
-    figure.suptitle(f"{results['model']}, {results['device']}, {results['threads']} threads")
+    for row, (label, section) in zip(axes, sections, strict=True):
+        engines = section.get("engines", {})
+        names = list(engines)
+        colors = ["tab:blue" if n.startswith("llorch") else "tab:orange" if "llama" in n else "tab:gray" for n in names]
+        for axis, metric in zip(row, METRICS, strict=False):
+            spans = [engines[n].get(metric, {"median": 0, "min": 0, "max": 0}) for n in names]
+            medians = [s["median"] for s in spans]
+            axis.barh(range(len(names)), medians, xerr=[[s["median"] - s["min"] for s in spans],
+                                                        [s["max"] - s["median"] for s in spans]], color=colors)
+            axis.set_yticks(range(len(names)), names if axis is row[0] else [""] * len(names), fontsize=8)
+            axis.invert_yaxis()
+            axis.set_title(f"{label}: {titles[metric]}" + (" (higher better)" if metric in HIGHER_IS_BETTER
+                                                           else " (lower better)"), fontsize=8)
+        axis = row[-1]
+        for name, color in (("llorch", "tab:blue"), ("llama.cpp", "tab:orange")):
+            levels = section.get("concurrency", {}).get(name, {}).get("levels", [])
+            axis.plot([lv["clients"] for lv in levels], [lv["tokens_per_s"] for lv in levels], "o-", color=color,
+                      label=name)
+        axis.set_xlabel("streaming clients", fontsize=8)
+        axis.set_title(f"{label}: aggregate tok/s", fontsize=8)
+        axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=100)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="default: the physical cores")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--models", default="default,1b", help="comma-separated: default, 1b")
+    parser.add_argument("--clients", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 16, 32])
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per job in the concurrency levels")
+    parser.add_argument("--jobs-per-client", type=int, default=2)
+    for skipped in ("transformers", "llama", "concurrency", "fidelity", "dequantize"):
+        parser.add_argument(f"--skip-{skipped}", action="store_true")
     args = parser.parse_args()
-    if args.threads is None:
-        from llorch.device import physical_cores
-
-        args.threads = physical_cores()
+    args.threads = args.threads or physical_cores()
     torch.set_num_threads(args.threads)
-    results = run_all(args)
-    report(results)
+    results: dict[str, Any] = {"threads": args.threads, "reps": args.reps, "device": "cpu", "models": {},
+                               "machine": {"cpu": next((line.split(":", 1)[1].strip() for line in cpuinfo().splitlines()
+                                                        if line.startswith("model name")), "unknown"),
+                                           "flags": cpu_flags(), "bandwidth_gb_s": memory_bandwidth_gb_s()}}
+    llama_cpp = None
+    if not args.skip_llama:
+        print("llama.cpp: the pinned build (built once, a few minutes)", flush=True)
+        try:
+            llama_cpp = llama_build.bindings()
+        except Exception as exc:  # every llama.cpp row is then reported as unavailable
+            results["llama_cpp_unavailable"] = f"{type(exc).__name__}: {exc}"
+            print(f"  unavailable: {exc}", flush=True)
+    sources = {"default": models.default_model, "1b": models.billion_model}
+    for label in args.models.split(","):
+        try:
+            model = sources[label]()
+        except Exception as exc:
+            results["models"][label] = {"file": "-", "file_mb": 0, "bytes_per_token": {},
+                                        "failed": {"model": f"{type(exc).__name__}: {exc}"}}
+            traceback.print_exc()
+            continue
+        results["models"][label] = bench_model(args, label, model, llama_cpp)
+    lines = report(results)
+    print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"speed-{args.device}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = RESULTS / f"speed-cpu-{time.strftime('%Y%m%d-%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(results, stem.with_suffix(".png"))
-    print(f"\nwrote {stem}.json and {stem}.png")
+    print(f"\nwrote {stem}.json, .md and .png")
 
 
 if __name__ == "__main__":
