@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from llorch.errors import ModelFileError
-from llorch.kernels.blocks import NATIVE_TYPES
+from llorch.kernels.blocks import NATIVE_TYPES, repacked
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llorch.models.quantized import TYPE_SUFFIX
 from llorch.weights.arena import WeightArena, arena_bytes
@@ -229,8 +229,9 @@ def state_dict_from_gguf(
 
     With `keep_quantized`, every matrix stays in the file's own type and layout: "<name>.weight"
     holds its rows' bytes [rows, row_bytes], copied into one huge-page arena (weights.arena),
-    and "<name>.weight_type" its GGUF type (see models.quantized); otherwise every tensor is
-    dequantized.
+    and "<name>.weight_type" its GGUF type (see models.quantized), or the interleaved layout
+    of that type the kernels read fastest on this CPU (kernels.blocks.repacked); otherwise
+    every tensor is dequantized.
     """
     state: dict[str, torch.Tensor] = {}
     plan = list(gguf_tensor_plan(config, gguf.tensors))
@@ -244,7 +245,6 @@ def state_dict_from_gguf(
         try:
             if arena is not None and _matrix(gguf, gguf_name):
                 info = gguf.tensors[gguf_name]
-                qtype = torch.tensor(int(info.qtype), dtype=torch.int32)
                 rows, raw = arena.take((info.shape[0], info.nbytes // info.shape[0]))
                 gguf.read_into(gguf_name, raw)
                 # The splits only select and reorder rows, so they apply to the raw rows as to values:
@@ -255,7 +255,8 @@ def state_dict_from_gguf(
                         rows.copy_(part)
                         part = rows
                     state[ours] = part
-                    state[f"{ours}{TYPE_SUFFIX}"] = qtype
+                    layout = repacked(part, int(info.qtype), info.shape[1])
+                    state[f"{ours}{TYPE_SUFFIX}"] = torch.tensor(layout, dtype=torch.int32)
             else:
                 for ours, tensor in split(gguf.dequantize(gguf_name)).items():
                     state[ours] = compute_tensor(ours, tensor, dtype)

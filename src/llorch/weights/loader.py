@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
 from tqdm import tqdm
 
 from llorch.errors import ModelFileError
-from llorch.kernels.blocks import row_bytes
+from llorch.kernels.blocks import file_type, row_bytes
 from llorch.memory import release_freed_memory
 from llorch.models.config import ModelConfig
 from llorch.models.decoder import Decoder
@@ -150,7 +150,7 @@ def _row_bytes(path: Path, name: str, model: Decoder, state: dict[str, torch.Ten
     """The bytes one row of the GGUF-typed weight `name` must have, by its type and the config's width."""
     module = model.get_submodule(name.removesuffix(".weight"))
     width = module.in_features if isinstance(module, GGUFLinear) else module.embedding_dim
-    qtype = GGMLQuantizationType(int(state[f"{name}{TYPE_SUFFIX}"]))
+    qtype = file_type(int(state[f"{name}{TYPE_SUFFIX}"]))
     block = GGML_QUANT_SIZES[qtype][0]
     if width % block:
         raise ModelFileError(path, f"weight {name} is {qtype.name}, whose {block}-value blocks do not divide "
