@@ -99,29 +99,34 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(lib, qtype: Q) ->
                                together[start : start + size])
 
 
-def test_an_interleaved_q8_0_matrix_reads_and_multiplies_as_the_file_layout(lib) -> None:  # type: ignore[no-untyped-def]
-    """Where a variant interleaves Q8_0 rows for speed, the values and every product bit stay."""
-    matrix = random_matrix(Q.Q8_0, 48, 512, seed=4)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
+    """Where a variant interleaves rows for speed, the values, the exact products and batch invariance stay."""
+    matrix = random_matrix(qtype, 48, 512, seed=4)
     layout = matrix.clone()
-    qtype = blocks.repacked(layout, int(Q.Q8_0), 512, lib=lib)
-    if qtype == int(Q.Q8_0):
+    interleaved = blocks.repacked(layout, int(qtype), 512, lib=lib)
+    if interleaved == int(qtype):
         assert torch.equal(layout, matrix)  # nothing to interleave for: the file's layout is kept
         return
-    assert blocks.file_type(qtype) == Q.Q8_0 and not torch.equal(layout, matrix)
-    assert torch.equal(blocks.dequantize_rows(layout, qtype, 512, lib=lib),
-                       blocks.dequantize_rows(matrix, int(Q.Q8_0), 512, lib=lib))
-    assert torch.equal(blocks.dequantize_rows(layout, qtype, 512, torch.tensor([47, 3, 8]), lib=lib),
-                       blocks.dequantize_rows(matrix, int(Q.Q8_0), 512, torch.tensor([47, 3, 8]), lib=lib))
+    assert blocks.file_type(interleaved) == qtype and not torch.equal(layout, matrix)
+    assert torch.equal(blocks.dequantize_rows(layout, interleaved, 512, lib=lib),
+                       blocks.dequantize_rows(matrix, int(qtype), 512, lib=lib))
+    some = torch.tensor([47, 3, 8])
+    assert torch.equal(blocks.dequantize_rows(layout, interleaved, 512, some, lib=lib),
+                       blocks.dequantize_rows(matrix, int(qtype), 512, some, lib=lib))
+    weights = reference_weights(matrix, qtype, 512)
     for rows in (1, 3, 4, 16, 70):
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 2
-        exact = blocks.quantize_activations(x, lib=lib).double() @ reference_weights(matrix, Q.Q8_0, 512).T
-        ours = blocks.matmul(x, layout, qtype, lib=lib)
+        exact = blocks.quantize_activations(x, lib=lib).double() @ weights.T
+        ours = blocks.matmul(x, layout, interleaved, lib=lib)
         assert (ours.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
-        assert torch.equal(blocks.matmul(x[:1], layout, qtype, lib=lib), ours[:1])  # batch invariant
+        for start in range(0, rows, 3):  # batch invariant
+            alone = blocks.matmul(x[start : start + 1], layout, interleaved, lib=lib)
+            assert torch.equal(alone, ours[start : start + 1])
 
 
 def test_only_whole_groups_of_eight_rows_are_interleaved(lib) -> None:  # type: ignore[no-untyped-def]
-    for rows, qtype in ((12, Q.Q8_0), (16, Q.Q4_K)):
+    for rows, qtype in ((12, Q.Q8_0), (20, Q.Q4_K), (16, Q.Q4_1)):
         matrix = random_matrix(qtype, rows, 256, seed=rows)
         layout = matrix.clone()
         assert blocks.repacked(layout, int(qtype), 256, lib=lib) == int(qtype)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import LLAMA_CPP_KL, Worker, all_logits, english_text, start_worker, stop_worker
+from llorch.kernels import blocks
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
@@ -34,8 +35,15 @@ def test_matrices_hold_exactly_the_files_block_bytes(served: LoadedModel, model_
     assert len(matrices) == 1 + 7 * served.config.num_layers
     assert all(m.weight.dtype == torch.uint8 for m in matrices)
     assert sum(m.weight.numel() for m in matrices) == sum(t.nbytes for t in gguf.tensors.values() if len(t.shape) == 2)
-    first = model.layers[0].self_attn.q_proj
-    assert torch.equal(first.weight, torch.from_numpy(gguf.raw("blk.0.attn_q.weight")))  # the file's blocks as they are
+    first, info = model.layers[0].self_attn.q_proj, gguf.tensors["blk.0.attn_q.weight"]
+    raw = torch.from_numpy(gguf.raw(info.name))
+    assert blocks.file_type(first.qtype) == info.qtype
+    if first.qtype == int(info.qtype):
+        assert torch.equal(first.weight, raw)  # the file's blocks as they are
+    else:  # interleaved for this CPU's kernels: the same values
+        width = first.in_features
+        assert torch.equal(blocks.dequantize_rows(first.weight, first.qtype, width),
+                           blocks.dequantize_rows(raw, int(info.qtype), width))
 
 
 def test_fidelity_to_the_exact_reference_is_at_least_llama_cpps(served: LoadedModel, ours: LoadedModel) -> None:

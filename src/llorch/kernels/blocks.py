@@ -21,29 +21,29 @@ ACT_BLOCK = 32
 # The GGUF types the kernels read in place (every other type is refused when the file loads).
 NATIVE_TYPES = frozenset(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
-# Our own layouts of a file type (csrc/repack.c): the same bytes, in another order.
-Q8_0_R8 = 1008
-FILE_TYPE = {Q8_0_R8: GGMLQuantizationType.Q8_0}
+# Our own layouts (csrc/repack.c): file type + REPACKED is that type with every eight rows
+# interleaved, the same bytes in another order.
+REPACKED = 1000
 
 
 def file_type(qtype: int) -> GGMLQuantizationType:
     """The GGUF type a weight's bytes come from (an interleaved layout keeps its file type's blocks)."""
-    return FILE_TYPE.get(qtype) or GGMLQuantizationType(qtype)
+    return GGMLQuantizationType(qtype - REPACKED if qtype > REPACKED else qtype)
 
 
 def repacked(weight: Tensor, qtype: int, k: int, lib: ctypes.CDLL | None = None) -> int:
     """Rearrange `weight` in place into the layout this CPU's kernels read fastest; its new type.
 
-    Q8_0 matrices of whole 8-row groups become Q8_0_R8 where the kernels have VNNI (the same
-    bytes interleaved: one 8-bit dot instruction serves eight rows); every other matrix stays
+    Where the kernels have VNNI, Q8_0, Q5_0, Q4_K and Q6_K matrices of whole 8-row groups are
+    interleaved (one 8-bit dot instruction then serves eight rows); every other matrix stays
     as the file has it.
     """
     lib = lib or library()
-    if not lib.llorch_can_repack(int(qtype), weight.shape[0]):
-        return int(qtype)
-    source = weight.clone()
-    lib.llorch_repack_q8_0(source.data_ptr(), weight.shape[0], k, weight.data_ptr())
-    return Q8_0_R8
+    layout = int(lib.llorch_repacked_type(int(qtype), weight.shape[0]))
+    if layout != int(qtype):
+        source = weight.clone()
+        lib.llorch_repack(layout, source.data_ptr(), weight.shape[0], k, weight.data_ptr())
+    return layout
 
 
 def row_bytes(qtype: int, k: int) -> int:

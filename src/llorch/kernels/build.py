@@ -145,8 +145,8 @@ _SIGNATURES = {
     "llorch_decoder_forward": ([_P, _P, _INT], None),
     "llorch_argmax_rows": ([_P, _I64, _I64, _P], None),
     "llorch_matrix_row": ([_INT, _P, _I64, _I64, _P], None),
-    "llorch_can_repack": ([_INT, _I64], _INT),
-    "llorch_repack_q8_0": ([_P, _I64, _I64, _P], None),
+    "llorch_repacked_type": ([_INT, _I64], _INT),
+    "llorch_repack": ([_INT, _P, _I64, _I64, _P], None),
 }
 
 

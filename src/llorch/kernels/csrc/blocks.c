@@ -9,14 +9,14 @@
 #include "simd.h"
 
 int64_t llorch_row_bytes(int type, int64_t k) {
-    switch (type) {
+    switch (type > REPACKED ? type - REPACKED : type) {  /* an interleaved layout keeps its bytes */
         case T_F32: return 4 * k;
         case T_F16: case T_BF16: return 2 * k;
         case T_Q4_0: return k / QK * 18;
         case T_Q4_1: return k / QK * 20;
         case T_Q5_0: return k / QK * 22;
         case T_Q5_1: return k / QK * 24;
-        case T_Q8_0: case T_Q8_0_R8: return k / QK * 34;
+        case T_Q8_0: return k / QK * 34;
         case T_Q2_K: return k / QK_K * 84;
         case T_Q3_K: return k / QK_K * 110;
         case T_Q4_K: return k / QK_K * 144;

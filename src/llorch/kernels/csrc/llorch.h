@@ -28,9 +28,11 @@
 enum gguf_type {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
-    /* Ours, not the file's: Q8_0 with every 8 rows interleaved (repack.c), same bytes. */
-    T_Q8_0_R8 = 1008,
+    /* Ours, not the file's: a file type + REPACKED is that type with every 8 rows
+     * interleaved (repack.c), the same bytes in another order. */
+    T_Q5_0_R8 = 1006, T_Q8_0_R8 = 1008, T_Q4_K_R8 = 1012, T_Q6_K_R8 = 1014,
 };
+#define REPACKED 1000
 
 /* An activation row quantized for the integer dot: per 32 values, a float scale, the sums
  * of each half's values (for the weights' offsets) and the int8 values. */
@@ -150,11 +152,17 @@ void llorch_dequantize_row(int type, const uint8_t *row, int64_t k, float *out);
 /* Row `r` of a matrix as floats, whatever its layout (interleaved types keep no row together). */
 void llorch_matrix_row(int type, const uint8_t *data, int64_t k, int64_t r, float *out);
 
-/* Q8_0 rows (a multiple of 8) interleaved for the VNNI kernel: same bytes, another order. */
-int llorch_can_repack(int type, int64_t rows);
-void llorch_repack_q8_0(const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst);
-void llorch_repacked_rows(const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x, int tile,
-                          float *out, int64_t ldo);
+/* Interleaved layouts (repack.c): the type a matrix of `rows` rows of file type `type` is
+ * best read in by these kernels (itself where none is faster), the bytes of one 8-row group
+ * of a block (0 for a file type), and the rearrangement (src and dst must not overlap). */
+int llorch_repacked_type(int type, int64_t rows);
+int64_t llorch_group_bytes(int type);
+void llorch_repack(int type, const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst);
+
+/* Their kernels (interleaved.c): weight rows [j0, j1) (whole groups) against `tile` (1..4)
+ * activation rows, into out[t * ldo + j]. */
+void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x,
+                             int tile, float *out, int64_t ldo);
 
 /* The direct kernels (direct.c): weight rows [j0, j1) of a common block type against up to
  * four activation rows, decoded in registers, into out[t * ldo + j]; 0 for other types. */

@@ -111,17 +111,17 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
         const int64_t row_bytes = llorch_row_bytes(W->type, k), n = W->rows;
         const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
         const int is_float = is_float_type(W->type), is_signed = W->type == T_Q8_0;
-        const int repacked = W->type == T_Q8_0_R8, direct = llorch_has_direct(W->type);
+        const int interleaved = W->type > REPACKED, direct = llorch_has_direct(W->type);
         float *out = outs[which];
         unpacked_row u = scratch_row(is_float || direct ? QK : k);
         for (int64_t i0 = 0; i0 < m; i0 += ACT_TILE) {
             const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
-            if (repacked) {  /* eight weight rows per instruction, four activation rows at a time */
+            if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
                 for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
                     const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
                     const act_block *rows[DIRECT_TILE];
                     for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
-                    llorch_repacked_rows(W->data, k, j0, j1, rows, tile, out + i * n, n);
+                    llorch_interleaved_rows(W->type, W->data, k, j0, j1, rows, tile, out + i * n, n);
                 }
                 continue;
             }

@@ -1,105 +1,181 @@
-/* Q8_0 repacked for VNNI: eight weight rows interleaved, so that one 8-bit dot instruction
- * computes four values of all eight rows against one broadcast group of four activations.
+/* Interleaved layouts: the file's blocks of eight weight rows rearranged, so that one 8-bit
+ * dot instruction computes four values of all eight rows against one broadcast group of four
+ * activations (the kernels are in interleaved.c).
  *
- * Layout, per group of 8 rows and per 32-value block: the 8 rows' float16 scales (16 bytes),
- * then for each step c = 0..7 the 8 rows' values 4c..4c+3 (32 bytes), stored as value + 128
- * (unsigned, what the instruction takes; the +128 comes back out as an offset). 16 + 256 =
- * 272 bytes = 8 rows x 34: exactly the file's bytes, in another order.
+ * Every layout holds exactly the file's bytes per block, in another order, so a matrix is
+ * rearranged in place and its size is unchanged. A group is 8 rows x one block (32 values for
+ * Q8_0 and Q5_0, 256 for the K types); the groups of rows 8g..8g+7 lie block after block.
+ * Within a group, "a step" is 32 bytes: for rows r = 0..7, four consecutive values each
+ * (byte 4r + e is value 4c + e of row r, for step c). Quantized values are stored unsigned
+ * (what the instruction takes); the kernels take the offset back out with the activation sums.
  *
- * Why: a row-at-a-time kernel must add up each block's eight lanes and scale every
- * (activation row, weight row) pair separately; here the lanes are the eight weight rows,
- * so each block costs eight dot instructions and one scaled FMA per activation row for
- * all eight weight rows. Measured (one thread, Zen 4): 16 activation rows 0.43 ns per
- * block and row against 0.84 row at a time; one row 1.74 against 1.9.
- *
- * Every output is the block's exact integer dot, then one float multiply-add per block in
- * block order, so a row's result does not depend on its batch.
+ * Q8_0_R8 (272 bytes): the 8 float16 scales, then steps 0..7, each value + 128.
+ * Q5_0_R8 (176): the 8 scales; 4 x 32 bytes whose low nibbles are steps 0..3 and high nibbles
+ *   steps 4..7 (the low 4 bits of each value); then per step a 32-bit mask of the fifth bits.
+ * Q4_K_R8 (1152): the 8 scales d, the 8 minimum scales, the 12 packed scale bytes as three
+ *   32-byte planes (bytes 0-3, 4-7, 8-11 of each row, [byte][row]); then per pair of
+ *   sub-blocks, 8 steps whose low nibbles are the first sub-block and high nibbles the second
+ *   (this is the file's own nibble pairing, so those bytes only move).
+ * Q6_K_R8 (1680): the 8 scales d, the 16 sub-block scales as [sub-block][row]; then per 32
+ *   values, 4 x 32 bytes of low nibbles (steps 0-3 low, 4-7 high) and 2 x 32 bytes of the
+ *   2-bit high parts (steps 0-3, then 4-7, two bits per step).
  */
-#include "simd.h"
+#include "llorch.h"
 
-#define GROUP_BYTES 272 /* 8 rows x one 32-value block */
+#define ROWS 8
 
-int llorch_can_repack(int type, int64_t rows) {
-#ifdef LLORCH_VNNI
-    return type == T_Q8_0 && rows % 8 == 0;
-#else
-    (void)type;
-    (void)rows;
-    return 0;
-#endif
+int64_t llorch_group_bytes(int type) {
+    switch (type) {
+        case T_Q8_0_R8: return ROWS * 34;
+        case T_Q5_0_R8: return ROWS * 22;
+        case T_Q4_K_R8: return ROWS * 144;
+        case T_Q6_K_R8: return ROWS * 210;
+        default: return 0;
+    }
 }
 
-void llorch_repack_q8_0(const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst) {
-    const int64_t blocks = k / QK, row_bytes = blocks * 34;
-    for (int64_t g = 0; g < rows / 8; g++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *out = dst + (g * blocks + b) * GROUP_BYTES;
-            for (int r = 0; r < 8; r++) {
-                const uint8_t *blk = src + (g * 8 + r) * row_bytes + b * 34;
-                memcpy(out + 2 * r, blk, 2);
-                for (int c = 0; c < 8; c++)
-                    for (int e = 0; e < 4; e++) out[16 + c * 32 + r * 4 + e] = (uint8_t)(blk[2 + c * 4 + e] ^ 0x80);
-            }
+static int64_t block_values(int type) { return type == T_Q4_K_R8 || type == T_Q6_K_R8 ? QK_K : QK; }
+
+int llorch_repacked_type(int type, int64_t rows) {
+#ifdef LLORCH_VNNI
+    const int repacked = type + REPACKED;
+    if (rows % ROWS == 0 && llorch_group_bytes(repacked) != 0) return repacked;
+#else
+    (void)rows;
+#endif
+    return type;
+}
+
+static uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* Value y's 6-bit quant (0..63) in a Q6_K file block, and its inverse (ggml's order:
+ * two halves of 128 values, each four quadrants of 32 sharing ql and qh bytes). */
+static void q6_place(int y, int *ql, int *ql_shift, int *qh, int *qh_shift) {
+    const int half = y / 128, quadrant = (y % 128) / 32, l = y % 32;
+    *ql = 64 * half + 32 * (quadrant & 1) + l;
+    *ql_shift = quadrant >= 2 ? 4 : 0;
+    *qh = 128 + 32 * half + l;
+    *qh_shift = 2 * quadrant;
+}
+
+static int q6_get(const uint8_t *blk, int y) {
+    int ql, ls, qh, hs;
+    q6_place(y, &ql, &ls, &qh, &hs);
+    return ((blk[ql] >> ls) & 15) | (((blk[qh] >> hs) & 3) << 4);
+}
+
+static void q6_set(uint8_t *blk, int y, int q) {
+    int ql, ls, qh, hs;
+    q6_place(y, &ql, &ls, &qh, &hs);
+    blk[ql] = (uint8_t)((blk[ql] & ~(15 << ls)) | ((q & 15) << ls));
+    blk[qh] = (uint8_t)((blk[qh] & ~(3 << hs)) | (((q >> 4) & 3) << hs));
+}
+
+/* Value y (0..31) of a Q5_0 file block, 0..31 (the stored value is this minus 16). */
+static int q5_get(const uint8_t *blk, int y) {
+    const int low = y < 16 ? blk[6 + y] & 15 : blk[6 + y - 16] >> 4;
+    return low | (int)((u32_at(blk + 2) >> y) & 1) << 4;
+}
+
+/* Byte `e` of row `r` in step `c` of a group part starting at `p`. */
+#define AT(p, c, r, e) ((p)[(c) * 32 + (r) * 4 + (e)])
+
+/* One group from its eight file blocks (rows[r] points at row r's block). */
+static void pack(int type, const uint8_t *const rows[ROWS], uint8_t *out) {
+    for (int r = 0; r < ROWS; r++) {
+        const uint8_t *b = rows[r];
+        switch (type) {
+            case T_Q8_0_R8:
+                memcpy(out + 2 * r, b, 2);
+                for (int y = 0; y < QK; y++) AT(out + 16, y / 4, r, y % 4) = (uint8_t)(b[2 + y] ^ 0x80);
+                break;
+            case T_Q5_0_R8:  /* the group starts zeroed: only the set fifth bits are written */
+                memcpy(out + 2 * r, b, 2);
+                for (int y = 0; y < 16; y++) AT(out + 16, y / 4, r, y % 4) = b[6 + y];
+                for (int y = 0; y < QK; y++) {
+                    const int bit = 4 * r + y % 4;  /* of step y / 4's little-endian 32-bit mask */
+                    if (q5_get(b, y) >> 4) out[144 + 4 * (y / 4) + bit / 8] |= (uint8_t)(1 << (bit % 8));
+                }
+                break;
+            case T_Q4_K_R8:
+                memcpy(out + 2 * r, b, 2);
+                memcpy(out + 16 + 2 * r, b + 2, 2);
+                for (int j = 0; j < 12; j++) out[32 + (j / 4) * 32 + (j % 4) * 8 + r] = b[4 + j];
+                for (int i = 0; i < 128; i++) AT(out + 128, i / 4, r, i % 4) = b[16 + i];
+                break;
+            case T_Q6_K_R8:
+                memcpy(out + 2 * r, b + 208, 2);
+                for (int s = 0; s < 16; s++) out[16 + s * 8 + r] = b[192 + s];
+                for (int y = 0; y < QK_K; y++) {
+                    const int q = q6_get(b, y), block = y / 32, c = (y % 32) / 4, e = y % 4;
+                    uint8_t *part = out + 144 + block * 192;
+                    uint8_t *low = &AT(part, c % 4, r, e), *high = &AT(part + 128, c / 4, r, e);
+                    const int ls = c < 4 ? 0 : 4, hs = 2 * (c % 4);
+                    *low = (uint8_t)((*low & ~(15 << ls)) | ((q & 15) << ls));
+                    *high = (uint8_t)((*high & ~(3 << hs)) | ((q >> 4) << hs));
+                }
+                break;
         }
     }
+}
+
+/* Row `r`'s file block back out of a group. */
+static void unpack(int type, const uint8_t *group, int r, uint8_t *b) {
+    switch (type) {
+        case T_Q8_0_R8:
+            memcpy(b, group + 2 * r, 2);
+            for (int y = 0; y < QK; y++) b[2 + y] = (uint8_t)(AT(group + 16, y / 4, r, y % 4) ^ 0x80);
+            break;
+        case T_Q5_0_R8: {
+            uint32_t qh = 0;
+            for (int y = 0; y < QK; y++) qh |= ((u32_at(group + 144 + 4 * (y / 4)) >> (4 * r + y % 4)) & 1) << y;
+            memcpy(b, group + 2 * r, 2);
+            memcpy(b + 2, &qh, 4);
+            for (int y = 0; y < 16; y++) b[6 + y] = AT(group + 16, y / 4, r, y % 4);
+            break;
+        }
+        case T_Q4_K_R8:
+            memcpy(b, group + 2 * r, 2);
+            memcpy(b + 2, group + 16 + 2 * r, 2);
+            for (int j = 0; j < 12; j++) b[4 + j] = group[32 + (j / 4) * 32 + (j % 4) * 8 + r];
+            for (int i = 0; i < 128; i++) b[16 + i] = AT(group + 128, i / 4, r, i % 4);
+            break;
+        case T_Q6_K_R8:
+            memcpy(b + 208, group + 2 * r, 2);
+            for (int s = 0; s < 16; s++) b[192 + s] = group[16 + s * 8 + r];
+            for (int y = 0; y < QK_K; y++) {
+                const int block = y / 32, c = (y % 32) / 4, e = y % 4;
+                const uint8_t *part = group + 144 + block * 192;
+                const int low = (AT(part, c % 4, r, e) >> (c < 4 ? 0 : 4)) & 15;
+                const int high = (AT(part + 128, c / 4, r, e) >> (2 * (c % 4))) & 3;
+                q6_set(b, y, low | high << 4);
+            }
+            break;
+    }
+}
+
+void llorch_repack(int type, const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst) {
+    const int64_t blocks = k / block_values(type), group = llorch_group_bytes(type), block_bytes = group / ROWS;
+    memset(dst, 0, (size_t)(rows * blocks * block_bytes));
+    for (int64_t g = 0; g < rows / ROWS; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *sources[ROWS];
+            for (int r = 0; r < ROWS; r++) sources[r] = src + ((g * ROWS + r) * blocks + b) * block_bytes;
+            pack(type, sources, dst + (g * blocks + b) * group);
+        }
 }
 
 void llorch_matrix_row(int type, const uint8_t *data, int64_t k, int64_t r, float *out) {
-    if (type != T_Q8_0_R8) {
+    const int64_t group = llorch_group_bytes(type);
+    if (group == 0) {
         llorch_dequantize_row(type, data + r * llorch_row_bytes(type, k), k, out);
         return;
     }
-    const int64_t blocks = k / QK, g = r / 8, lane = r % 8;
+    const int64_t values = block_values(type), blocks = k / values;
+    uint8_t block[210];
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *group = data + (g * blocks + b) * GROUP_BYTES;
-        const float d = fp16_to_fp32(read_u16(group + 2 * lane));
-        for (int c = 0; c < 8; c++)
-            for (int e = 0; e < 4; e++) out[b * QK + c * 4 + e] = d * (float)(int8_t)(group[16 + c * 32 + lane * 4 + e] ^ 0x80);
+        unpack(type, data + (r / ROWS * blocks + b) * group, (int)(r % ROWS), block);
+        llorch_dequantize_row(type - REPACKED, block, values, out + b * values);
     }
 }
-
-#ifdef LLORCH_VNNI
-#define TILE 4
-
-/* Weight rows [j0, j1) (whole groups of 8) against `tile` activation rows, into out[t * ldo + j]. */
-static inline __attribute__((always_inline)) void groups(const uint8_t *w, int64_t k, int64_t j0, int64_t j1,
-                                                        const act_block *const *x, int tile, float *out, int64_t ldo) {
-    const int64_t blocks = k / QK;
-    for (int64_t g = j0 / 8; g < j1 / 8; g++) {
-        __m256 acc[TILE], offsets[TILE];
-        for (int t = 0; t < tile; t++) acc[t] = offsets[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *group = w + (g * blocks + b) * GROUP_BYTES;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group));
-            const __m256 shift = _mm256_mul_ps(d, _mm256_set1_ps(128.0f));
-            __m256i v[8];
-            for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(group + 16 + 32 * c));
-            for (int t = 0; t < tile; t++) {
-                const act_block *a = x[t] + b;
-                int32_t packed[8];
-                memcpy(packed, a->q, 32);
-                __m256i lanes = _mm256_setzero_si256();
-                for (int c = 0; c < 8; c++) lanes = _mm256_dpbusd_epi32(lanes, v[c], _mm256_set1_epi32(packed[c]));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_mul_ps(d, _mm256_set1_ps(a->d)), acc[t]);
-                offsets[t] = _mm256_fmadd_ps(shift, _mm256_set1_ps(a->d * (float)(a->sum[0] + a->sum[1])), offsets[t]);
-            }
-        }
-        for (int t = 0; t < tile; t++) _mm256_storeu_ps(out + t * ldo + 8 * g, _mm256_sub_ps(acc[t], offsets[t]));
-    }
-}
-
-void llorch_repacked_rows(const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x, int tile,
-                          float *out, int64_t ldo) {
-    switch (tile) {
-        case 1: groups(w, k, j0, j1, x, 1, out, ldo); break;
-        case 2: groups(w, k, j0, j1, x, 2, out, ldo); break;
-        case 3: groups(w, k, j0, j1, x, 3, out, ldo); break;
-        default: groups(w, k, j0, j1, x, TILE, out, ldo); break;
-    }
-}
-#else
-void llorch_repacked_rows(const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x, int tile,
-                          float *out, int64_t ldo) {
-    (void)w; (void)k; (void)j0; (void)j1; (void)x; (void)tile; (void)out; (void)ldo;
-}
-#endif
