@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 import subprocess
 import sys
@@ -70,12 +72,21 @@ def wait_ready(server: Server, ready: Callable[[httpx.Response], bool] = healthy
     raise RuntimeError(f"{server.process.args!r} did not become ready in {timeout:g} s:\n{server.log()}")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, so a run
+    that is interrupted, even by SIGKILL, leaves no server behind. Servers are started from the
+    main thread, whose exit is what this watches."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start_server(command: list[str], base_url: str, ready: Callable[[httpx.Response], bool] = healthy,
                  log_path: Path | None = None, wait: bool = True, env: dict[str, str] | None = None) -> Server:
     """Run `command` (its output to `log_path`, or discarded) and, with `wait`, wait until it is ready."""
     began = time.perf_counter()
     out = log_path.open("wb") if log_path else subprocess.DEVNULL
-    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                               preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     server = Server(process, base_url, log_path)
     server.start_to_ready_s = time.perf_counter() - began
     if wait:
