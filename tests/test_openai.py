@@ -176,14 +176,6 @@ def test_auth_wrong_or_missing_key_is_401_and_health_stays_open(chat_worker: Wor
     assert denied.json()["errors"][0]["field"] == "authorization"
 
 
-def test_chat_without_a_template_is_a_clear_400(worker: Worker, ours: LoadedModel) -> None:
-    plain = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as caught:
-        plain.chat.completions.create(model=ours.model_id, messages=CHAT, max_tokens=4)
-    assert caught.value.body["code"] == "chat_template_missing"
-    assert plain.completions.create(model=ours.model_id, prompt=PROMPT, max_tokens=2).choices[0].text
-
-
 @pytest.mark.reference
 @pytest.mark.parametrize("messages", [
     CHAT,

@@ -31,9 +31,11 @@ from llorch.api.jobs import JobStream
 from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from llorch.api.state import WorkerState
 from llorch.api.streaming import sse
+from llorch.api.tool_calls import ToolCallParser, ToolFormat, format_for
+from llorch.api.tool_calls import grammar as tool_grammar
 from llorch.engine.engine import Engine
 from llorch.engine.errors import EngineRefusal
-from llorch.engine.request import End, Error, Event, GenerationRequest, TokenLogprob, TokenText
+from llorch.engine.request import Constraint, End, Error, Event, GenerationRequest, TokenLogprob, TokenText
 
 FINISH_REASONS = {"MAX_TOKENS": "length", "EOS": "stop", "STOP_SEQUENCE": "stop"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -48,6 +50,8 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     end: End | None = None
     streamed_logprobs: int = 0  # how many of `logprobs` a stream has sent
+    parser: ToolCallParser | None = None  # when tools may be called: splits text into content and calls
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def unsent_logprobs(self) -> list[TokenLogprob]:
         entries = self.logprobs[self.streamed_logprobs :]
@@ -56,7 +60,11 @@ class Choice:
 
     @property
     def finish_reason(self) -> str | None:
-        return FINISH_REASONS.get(self.end.stop_reason.value) if self.end else None
+        if self.end is None:
+            return None
+        if self.tool_calls and self.end.stop_reason.value != "MAX_TOKENS":
+            return "tool_calls"
+        return FINISH_REASONS.get(self.end.stop_reason.value)
 
 
 GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -105,6 +113,7 @@ def create_openai_router(state: WorkerState) -> APIRouter:
         return {"object": "list", "data": [{
             "id": engine.model_id, "object": "model", "created": 0, "owned_by": "llorch",
             "context_length": engine.ctx_size, "max_model_len": engine.ctx_size,
+            "chat_template": engine.chat_template.name if engine.chat_template else None,
         }]}
 
     @router.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
@@ -113,7 +122,8 @@ def create_openai_router(state: WorkerState) -> APIRouter:
         try:
             body = await parse(request, CompletionRequest)
             max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-            job = GenerationRequest("", body.prompt_text, max_tokens, stop=body.stop_sequences, logprobs=body.logprobs)
+            job = GenerationRequest("", body.prompt_text, max_tokens, stop=body.stop_sequences, logprobs=body.logprobs,
+                                    constraint=body.constraint())
             return await generate(ready(state), body, job, chat=False)
         except OpenAIError as exc:
             return exc.response()
@@ -123,10 +133,17 @@ def create_openai_router(state: WorkerState) -> APIRouter:
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         try:
             body = await parse(request, ChatCompletionRequest)
+            engine = ready(state)
             top = (body.top_logprobs or 0) if body.logprobs else None
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            fmt, constraint = None, body.constraint()
+            if tools and body.tool_mode is not None:
+                fmt, constraint = tool_constraint(engine, tools, body.tool_mode, body.parallel_tool_calls)
             job = GenerationRequest("", None, body.max_completion_tokens or body.max_tokens, stop=body.stop_sequences,
-                                    logprobs=top, messages=tuple(m.for_template() for m in body.messages))
-            return await generate(ready(state), body, job, chat=True)
+                                    logprobs=top, messages=tuple(m.for_template() for m in body.messages),
+                                    tools=tuple(tools) if tools else None, constraint=constraint)
+            calls = fmt if body.tool_mode not in (None, "none") else None
+            return await generate(engine, body, job, chat=True, tool_format=calls)
         except OpenAIError as exc:
             return exc.response()
 
@@ -150,8 +167,19 @@ def create_openai_router(state: WorkerState) -> APIRouter:
     return router
 
 
-async def generate(engine: Engine, body: Any, request: GenerationRequest, chat: bool
-                   ) -> JSONResponse | StreamingResponse:
+def tool_constraint(engine: Engine, tools: list[dict[str, Any]], mode: str, parallel: bool
+                    ) -> tuple[ToolFormat, Constraint]:
+    """The template's tool-call format and the grammar that keeps the model's turn to it."""
+    template = engine.chat_template
+    fmt = format_for(template.source if template else None, bool(template and template.reads_tools))
+    tokenizer = engine.front.tokenizer
+    marker_id = tokenizer.backend.token_to_id(fmt.marker) if fmt.marker else None
+    special = {fmt.marker: marker_id} if marker_id is not None and marker_id in tokenizer.special_ids else {}
+    return fmt, Constraint("lark", tool_grammar(fmt, tools, mode, parallel, special), "tools")
+
+
+async def generate(engine: Engine, body: Any, request: GenerationRequest, chat: bool,
+                   tool_format: ToolFormat | None = None) -> JSONResponse | StreamingResponse:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams: list[JobStream] = []
     try:
@@ -167,13 +195,18 @@ async def generate(engine: Engine, body: Any, request: GenerationRequest, chat: 
     shape = ChatShape(request_id, created, engine.model_id) if chat else CompletionShape(request_id, created,
                                                                                          engine.model_id)
     if body.stream:
-        return StreamingResponse(stream_chunks(streams, shape, body.include_usage, prompt_tokens),
+        return StreamingResponse(stream_chunks(streams, shape, body.include_usage, prompt_tokens, tool_format),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    choices = [Choice(i) for i in range(len(streams))]
+    choices = [Choice(i, parser=ToolCallParser(tool_format) if tool_format else None) for i in range(len(streams))]
     async for index, event in merged(streams):
         if isinstance(event, Error):
             raise openai_job_error(event)
         absorb(choices[index], event)
+    for choice in choices:
+        if choice.parser is not None:  # the whole text, split into content and calls
+            content, _ = choice.parser.feed(choice.text)
+            rest, _ = choice.parser.finish()
+            choice.text, choice.tool_calls = content + rest, choice.parser.calls
     return JSONResponse(shape.response(choices, usage(prompt_tokens, choices)))
 
 
@@ -222,9 +255,9 @@ async def merged(streams: list[JobStream]) -> AsyncIterator[tuple[int, Event]]:
             task.cancel()
 
 
-async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: bool,
-                        prompt_tokens: int) -> AsyncIterator[bytes]:
-    choices = [Choice(i) for i in range(len(streams))]
+async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: bool, prompt_tokens: int,
+                        tool_format: ToolFormat | None = None) -> AsyncIterator[bytes]:
+    choices = [Choice(i, parser=ToolCallParser(tool_format) if tool_format else None) for i in range(len(streams))]
     for choice in choices:
         first = shape.first_chunk(choice.index)
         if first:
@@ -235,14 +268,34 @@ async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: boo
             yield sse(openai_job_error(event).body())
             break
         text = absorb(choice, event)
-        if text:
+        calls: list[dict[str, Any]] = []
+        if choice.parser is not None and (text or isinstance(event, End)):
+            text, calls = choice.parser.feed(text)
+            if isinstance(event, End):
+                rest, more = choice.parser.finish()
+                text, calls = text + rest, calls + more
+        if calls:
+            first = len(choice.tool_calls)
+            choice.tool_calls.extend(calls)
+        if text or calls:
             yield sse(shape.chunk(index, text, choice.unsent_logprobs()))
-        elif isinstance(event, End):
+        for offset, call in enumerate(calls):  # each call: its id and name, then its arguments
+            for delta in tool_call_deltas(first + offset, call):
+                yield sse(shape.tool_chunk(index, delta))
+        if isinstance(event, End):
             yield sse(shape.chunk(index, "", choice.unsent_logprobs(), choice.finish_reason))
     else:
         if include_usage:
             yield sse({**shape.envelope(), "choices": [], "usage": usage(prompt_tokens, choices)})
     yield b"data: [DONE]\n\n"
+
+
+def tool_call_deltas(index: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+    """A call as stream deltas, the way OpenAI sends them: id, type and name first, then the arguments."""
+    function = call["function"]
+    return [{"index": index, "id": call["id"], "type": "function", "function": {"name": function["name"],
+                                                                                  "arguments": ""}},
+            {"index": index, "function": {"arguments": function["arguments"]}}]
 
 
 def token_bytes(text: str) -> list[int]:
@@ -302,9 +355,20 @@ class ChatShape:
 
     def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
         return {**self.envelope(chunk=False), "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason} for c in choices],
+            {"index": c.index, "message": self.message(c), "logprobs": self.logprobs(c.logprobs),
+             "finish_reason": c.finish_reason} for c in choices],
             "usage": usage}
+
+    @staticmethod
+    def message(choice: Choice) -> dict[str, Any]:
+        if not choice.tool_calls:
+            return {"role": "assistant", "content": choice.text}
+        return {"role": "assistant", "content": choice.text if choice.text.strip() else None,
+                "tool_calls": choice.tool_calls}
+
+    def tool_chunk(self, index: int, call_delta: dict[str, Any]) -> dict[str, Any]:
+        return {**self.envelope(), "choices": [{"index": index, "delta": {"tool_calls": [call_delta]},
+                                                "logprobs": None, "finish_reason": None}]}
 
     def first_chunk(self, index: int) -> dict[str, Any]:
         return {**self.envelope(), "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},

@@ -5,9 +5,10 @@ Exception: `user` is accepted and ignored, as OpenAI itself only records it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from llorch.api.schemas import (
     UINT64_MAX,
@@ -20,16 +21,51 @@ from llorch.api.schemas import (
     TopP,
     sampling_params,
 )
-from llorch.engine.request import SamplingParams
+from llorch.engine.request import Constraint, SamplingParams
 
 MAX_CHOICES = 8
 MAX_TOP_LOGPROBS = 20
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """A request part whose unknown fields are errors."""
+
     model_config = ConfigDict(extra="forbid")
 
+
+class StreamOptions(Strict):
     include_usage: bool = False
+
+
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: FunctionName
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format; "regex" and "grammar" (Lark) are llorch's extra constraint types."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> ResponseFormat:
+        needed = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}
+        if self.type in needed and needed[self.type] is None:
+            raise ValueError(f"type {self.type!r} needs the field {self.type!r}")
+        for other, value in needed.items():
+            if other != self.type and value is not None:
+                raise ValueError(f"the field {other!r} belongs to type {other!r}, not {self.type!r}")
+        return self
 
 
 class OpenAIRequest(BaseModel):
@@ -54,6 +90,19 @@ class OpenAIRequest(BaseModel):
     top_k: TopK = 0
     min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
+    # Constrained output: OpenAI's response_format, or llorch's shorthands `regex` and `grammar` (Lark).
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> OpenAIRequest:
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        given = [name for name, on in (("response_format", formatted), ("regex", self.regex is not None),
+                                       ("grammar", self.grammar is not None)) if on]
+        if len(given) > 1:
+            raise ValueError(f"at most one output constraint per request; got {', '.join(given)}")
+        return self
 
     @model_validator(mode="after")
     def _supported(self) -> OpenAIRequest:
@@ -64,6 +113,23 @@ class OpenAIRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
+
+    def constraint(self) -> Constraint | None:
+        """The output constraint asked for, naming the field it came from (None: free text)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return Constraint("json_schema", '{"type": "object"}', "response_format")
+        if fmt is not None and fmt.json_schema is not None:
+            return Constraint("json_schema", json.dumps(fmt.json_schema.schema_), "response_format.json_schema.schema")
+        if fmt is not None and fmt.regex is not None:
+            return Constraint("regex", fmt.regex, "response_format.regex")
+        if fmt is not None and fmt.grammar is not None:
+            return Constraint("lark", fmt.grammar, "response_format.grammar")
+        if self.regex is not None:
+            return Constraint("regex", self.regex, "regex")
+        if self.grammar is not None:
+            return Constraint("lark", self.grammar, "grammar")
+        return None
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
@@ -106,24 +172,86 @@ class CompletionRequest(OpenAIRequest):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CalledFunction(Strict):
+    name: FunctionName
+    arguments: str  # JSON text, as the model wrote it
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    @model_validator(mode="after")
+    def _json_arguments(self) -> CalledFunction:
+        try:
+            json.loads(self.arguments)
+        except ValueError as exc:
+            raise ValueError(f"tool call arguments are not JSON: {exc}") from exc
+        return self
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def for_template(self) -> dict[str, Any]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if self.content is None:
+            text = ""
+        else:
+            text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         # Templates know "system"; OpenAI's newer "developer" role means the same.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:  # templates read arguments as objects, not JSON text
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -131,9 +259,37 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be distinct")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        calls_tools = self.tools and self.tool_choice != "none"
+        if calls_tools and (self.regex is not None or self.grammar is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("an output constraint (response_format, regex, grammar) cannot be combined with tools "
+                             "unless tool_choice is \"none\"")
+        return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools in play), "none", "auto", "required", or the one function's name."""
+        if not self.tools:
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from llorch.engine.request import GenerationRequest, SamplingParams
+from llorch.engine.request import Constraint, GenerationRequest, SamplingParams
 
 UINT64_MAX = (1 << 64) - 1
 
@@ -41,10 +42,25 @@ class ExecuteRequest(BaseModel):
     min_p: MinP = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
     stop: list[StopString] = Field(default_factory=list, max_length=4)
+    # Constrained output (at most one): a JSON schema the text must satisfy, or a Lark grammar it must match.
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> ExecuteRequest:
+        if self.json_schema is not None and self.grammar is not None:
+            raise ValueError("json_schema and grammar cannot both be given")
+        return self
 
     def to_generation_request(self) -> GenerationRequest:
         sampling = sampling_params(self, self.seed)
-        return GenerationRequest(self.job_id, self.prompt, self.max_tokens, sampling, tuple(self.stop))
+        constraint = None
+        if self.json_schema is not None:
+            constraint = Constraint("json_schema", json.dumps(self.json_schema), "json_schema")
+        elif self.grammar is not None:
+            constraint = Constraint("lark", self.grammar, "grammar")
+        return GenerationRequest(self.job_id, self.prompt, self.max_tokens, sampling, tuple(self.stop),
+                                 constraint=constraint)
 
 
 class CancelRequest(BaseModel):

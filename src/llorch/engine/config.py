@@ -24,6 +24,7 @@ from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
 from llorch.kernels.build import library as kernel_library
 from llorch.memory import release_freed_memory
+from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
@@ -102,21 +103,23 @@ def kv_pool_bytes(config: EngineConfig, model: LoadedModel, device: torch.device
     return budget
 
 
-def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate | None:
-    """The operator's template file, else the model's own, else none (chat answers 400)."""
-    source = loaded.chat_template
+def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
+    """The operator's template file, else the model's own, else its family's (chat_families.py)."""
+    source, name = loaded.chat_template, "model"
     if path:
         try:
-            source = Path(path).read_text(encoding="utf-8")
+            source, name = Path(path).read_text(encoding="utf-8"), "file"
         except OSError as exc:
             raise StartupError(f"{path}: cannot read the chat template ({exc.strerror})") from exc
-    if source is None:
-        return None
     tokenizer = loaded.tokenizer
+    if source is None:
+        family = family_for(loaded.config.architecture, tokenizer.backend.get_vocab())
+        source, name = family.template, f"family:{family.name}"
+    log.info("chat template", extra={"chat_template": name})
     bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else ""
     eos = min(tokenizer.eos_token_ids, default=None)
     try:
-        return ChatTemplate(source, bos, tokenizer.token_text(eos) if eos is not None else "")
+        return ChatTemplate(source, bos, tokenizer.token_text(eos) if eos is not None else "", name)
     except ChatTemplateError as exc:
         raise StartupError(f"{path or loaded.path}: {exc}") from exc
 

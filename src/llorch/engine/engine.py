@@ -29,7 +29,9 @@ import torch
 from torch import Tensor
 
 from llorch.engine.errors import DuplicateJob, QueueFull
+from llorch.engine.grammar import Grammars
 from llorch.engine.kv.blocks import BlockPool
+from llorch.engine.masks import GrammarMasks, PendingMasks
 from llorch.engine.output import OutputProcessor, SequenceOutput
 from llorch.engine.prepare import FrontDoor
 from llorch.engine.request import ErrorCode, Event, GenerationRequest, PreparedJob, StopReason
@@ -62,6 +64,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     preemptions: int
     generated_tokens: int
+    grammar_states: int  # constrained jobs holding a grammar matcher (queued or running)
 
 
 class Engine:
@@ -74,7 +77,10 @@ class Engine:
         self.model_id = model_id
         self.ctx_size = config.ctx_size
         self.device = runner.device
-        self.front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens)
+        self.grammars = Grammars(tokenizer, runner.config.vocab_size)
+        self.front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
+                               self.grammars)
+        self.masks = GrammarMasks(runner.config.vocab_size)
         self.blocks = BlockPool(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_running, config.max_batch_tokens)
         self.telemetry = telemetry or Telemetry()
@@ -168,6 +174,7 @@ class Engine:
             prefix_cache_hit_tokens=int(counter("llorch_prefix_cache_hit_tokens_total") or 0),
             preemptions=int(counter("llorch_preemptions_total") or 0),
             generated_tokens=int(counter("llorch_generated_tokens_total") or 0),
+            grammar_states=sum(s.matcher is not None for s in [*self.scheduler.running, *self.scheduler.waiting]),
         )
 
     # -- the engine thread ----------------------------------------------------------------
@@ -218,9 +225,11 @@ class Engine:
             return
         self.telemetry.batch_size.observe(len(plan.chunks))
         started = time.perf_counter()
+        # Constrained rows' masks are computed on another thread while the forward pass runs.
+        masks = self.masks.begin([c.seq for c in plan.chunks if c.completes])
         sampling, logits = self._run(plan.chunks)
         if sampling:
-            self._process(sampling, logits)
+            self._process(sampling, logits, masks)
         if all(chunk.tokens == 1 for chunk in plan.chunks):
             self.telemetry.time_per_output_token.observe(time.perf_counter() - started)
 
@@ -257,8 +266,9 @@ class Engine:
             self.scheduler.computed(chunk)
         return sampling, logits
 
-    def _process(self, sampling: list[Sequence], logits: Tensor) -> None:
+    def _process(self, sampling: list[Sequence], logits: Tensor, masks: PendingMasks) -> None:
         """Every sampling row's token in one go, then each job's output stage."""
+        masks.apply(sampling, logits)
         states = [seq.sampler for seq in sampling]
         assert all(state is not None for state in states)
         try:
@@ -272,12 +282,21 @@ class Engine:
                 reason = self.output.accept(seq, sampled)
                 if reason is None:
                     seq.sampler.accept(sampled.token_id)  # type: ignore[union-attr]
+                    reason = self._advance_grammar(seq, sampled.token_id)
             except Exception as exc:  # one job's failure must not take down the others
                 log.exception("output failed", extra={"job_id": seq.job_id})
                 self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
                 continue
             if reason is not None:
                 self._finish(seq, reason)
+
+    def _advance_grammar(self, seq: Sequence, token_id: int) -> StopReason | None:
+        """Feed a constrained job's grammar its token; EOS when the grammar admits nothing more."""
+        if seq.matcher is None:
+            return None
+        if not seq.matcher.consume_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id}: {seq.matcher.get_error()}")
+        return StopReason.EOS if seq.matcher.is_stopped() else None
 
     def _sample_alone(self, seq: Sequence, logits: Tensor) -> Sampled | None:
         try:
@@ -322,6 +341,8 @@ class Engine:
             self._queued -= 1
         seq.sampler = SamplerState(seq.request.sampling, seq.seed, seq.prompt_ids, self.runner.config.vocab_size,
                                    self.device)
+        if seq.grammar is not None:
+            seq.matcher = seq.grammar.matcher()
         self.output.decoding(seq)
         log.info("job admitted", extra={"job_id": seq.job_id, "prefix_cached_tokens": seq.blocks.computed})
 
@@ -336,6 +357,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """Free the job's blocks and forget it (its terminal event follows)."""
         seq.sampler = None
+        seq.matcher = None
         seq.state = SequenceState.FINISHED
         self.scheduler.remove(seq)
         with self._jobs_lock:

@@ -1,8 +1,9 @@
 """The engine's front door: a request becomes a PreparedJob, or a RequestRejected naming the field.
 
 Both APIs come in here: chat messages are rendered through the chat template into a
-prompt, the prompt is tokenized, and the job is checked against the prompt limit,
-the context and the KV pool. Nothing else tokenizes or sizes a job.
+prompt, the prompt is tokenized, the job is checked against the prompt limit, the
+context and the KV pool, and its output constraint, if any, is compiled. Nothing
+else tokenizes or sizes a job.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llorch.engine.errors import RequestRejected
+from llorch.engine.grammar import Grammars
 from llorch.engine.request import GenerationRequest, PreparedJob
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.tokenizer import Tokenizer
@@ -17,8 +19,9 @@ from llorch.weights.tokenizer import Tokenizer
 
 class FrontDoor:
     def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, ctx_size: int, pool_tokens: int,
-                 max_prompt_tokens: int | None) -> None:
+                 max_prompt_tokens: int | None, grammars: Grammars) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.chat_template = chat_template
         self.ctx_size = ctx_size
         self.pool_tokens = pool_tokens
@@ -31,7 +34,8 @@ class FrontDoor:
 
     def prepare(self, request: GenerationRequest) -> PreparedJob:
         if request.messages is not None:
-            prompt, add_special = self.render_chat(request.messages), False  # the template spells BOS itself
+            # The template spells BOS itself.
+            prompt, add_special = self.render_chat(request.messages, request.tools), False
         elif request.prompt is not None:
             prompt, add_special = request.prompt, request.add_special_tokens
         else:
@@ -41,16 +45,19 @@ class FrontDoor:
         if max_tokens is None:  # as much as the context leaves
             max_tokens = max(1, self.max_sequence_tokens - len(ids))
         self.check_fits(len(ids), max_tokens)
-        prepared = replace(request, prompt=prompt, add_special_tokens=add_special, messages=None)
-        return PreparedJob(prepared, tuple(ids), max_tokens)
+        # Compiled after the cheap checks: a grammar can take a while, and the job may not fit anyway.
+        grammar = self.grammars.compile(request.constraint) if request.constraint is not None else None
+        prepared = replace(request, prompt=prompt, add_special_tokens=add_special, messages=None, tools=None)
+        return PreparedJob(prepared, tuple(ids), max_tokens, grammar)
 
-    def render_chat(self, messages: tuple[dict[str, object], ...]) -> str:
+    def render_chat(self, messages: tuple[dict[str, object], ...], tools: tuple[dict[str, object], ...] | None = None
+                    ) -> str:
         if self.chat_template is None:
             raise RequestRejected("messages", "a chat template", "this model has no chat template; use "
                                   "/v1/completions or start the worker with --chat-template-file",
                                   code="chat_template_missing")
         try:
-            return self.chat_template.render(list(messages))
+            return self.chat_template.render(list(messages), tools=list(tools) if tools else None)
         except ChatTemplateError as exc:
             raise RequestRejected("messages", "renders with the chat template", str(exc)) from exc
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,18 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """Output the job must match: a JSON schema (as JSON text), a regular expression or a Lark grammar.
+
+    `field` is the request field it came from, so a grammar that does not compile is a 400 naming it.
+    """
+
+    kind: Literal["json_schema", "regex", "lark"]
+    source: str
+    field: str
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """What an API asks the engine for: a prompt as text, or chat messages to render first."""
 
@@ -40,6 +52,10 @@ class GenerationRequest:
     add_special_tokens: bool = True
     # Chat messages ({"role", "content"}), rendered through the model's chat template instead of `prompt`.
     messages: tuple[dict[str, Any], ...] | None = None
+    # Tool definitions handed to the chat template with the messages (OpenAI's `tools`, as the template reads them).
+    tools: tuple[dict[str, Any], ...] | None = None
+    # Constrained decoding: every generated token keeps the output a prefix of this grammar's language.
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,7 @@ class PreparedJob:
     request: GenerationRequest
     prompt_ids: tuple[int, ...]
     max_tokens: int  # resolved: the request's, or what the context leaves
+    grammar: Any = None  # the compiled constraint (engine.grammar.CompiledGrammar), when the request has one
 
     def for_choice(self, job_id: str, sampling: SamplingParams) -> PreparedJob:
         """The same prompt as another job (one of an OpenAI request's n choices)."""

@@ -12,6 +12,8 @@ from llorch.engine.kv.prefix import PrefixHashes
 from llorch.engine.request import Event, PreparedJob
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from llorch.engine.output import SequenceOutput
     from llorch.engine.sampler import SamplerState
 
@@ -36,6 +38,8 @@ class Sequence:
         self.output = output
         self.seed = seed
         self.sampler: SamplerState | None = None  # built at first admission, kept across preemptions
+        self.grammar = job.grammar  # the compiled constraint, or None
+        self.matcher: LLMatcher | None = None  # its state for this job: built with the sampler, freed at the end
         self.state = SequenceState.WAITING
         self.admitted = False  # ever admitted (a preempted job goes back to waiting admitted)
         self.cancel_requested = False

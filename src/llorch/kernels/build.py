@@ -144,6 +144,7 @@ _SIGNATURES = {
     "llorch_matmul": ([_INT, _P, _I64, _I64, _P, _P, _I64, _P, _INT], None),
     "llorch_decoder_forward": ([_P, _P, _INT], None),
     "llorch_argmax_rows": ([_P, _I64, _I64, _P], None),
+    "llorch_mask_row": ([_P, _I64, _P, _I64], None),
     "llorch_matrix_row": ([_INT, _P, _I64, _I64, _P], None),
     "llorch_repacked_type": ([_INT, _I64], _INT),
     "llorch_repack": ([_INT, _P, _I64, _I64, _P], None),

@@ -14,6 +14,8 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from llorch.weights.tool_prompt import as_plain_turns
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (the template raised, or is broken)."""
@@ -24,7 +26,7 @@ def _raise_exception(message: str) -> None:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", name: str = "custom") -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -33,13 +35,22 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile: {exc}") from exc
         self.source = source
+        self.name = name  # where it came from: "model", "file", or "family:<name>" (shown by /v1/models)
+        # Templates that read `tools` get them; others get the default convention's plain turns (tool_prompt.py).
+        self.reads_tools = "tools" in source
         self.bos_token = bos_token
         self.eos_token = eos_token
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The prompt for `messages`; `tools` (OpenAI's function definitions) go to templates that read them."""
+        uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        if uses_tools and not self.reads_tools:
+            messages, tools = as_plain_turns(list(messages), list(tools) if tools else None), None
         try:
             return self._template.render(
                 messages=list(messages),
+                tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

@@ -342,3 +342,15 @@ void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out
         }
     }
 }
+
+void llorch_mask_row(float *x, int64_t cols, const uint32_t *allowed, int64_t words) {
+    const float none = -INFINITY;
+    for (int64_t w = 0; w < words && 32 * w < cols; w++) {
+        uint32_t bits = allowed[w];
+        if (bits == 0xFFFFFFFFu) continue; /* the common case in free text: nothing to do */
+        int64_t end = 32 * w + 32 < cols ? 32 * w + 32 : cols;
+        for (int64_t j = 32 * w; j < end; j++, bits >>= 1)
+            if (!(bits & 1u)) x[j] = none;
+    }
+    for (int64_t j = 32 * words; j < cols; j++) x[j] = none;
+}

@@ -140,6 +140,9 @@ void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads
 /* The index of each row's largest value (the first one, as torch.argmax); -1 for a row with a NaN. */
 void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
 
+/* Constrained decoding: x[j] = -inf wherever bit j of `allowed` (bit j % 32 of word j / 32) is clear. */
+void llorch_mask_row(float *x, int64_t cols, const uint32_t *allowed, int64_t words);
+
 /* Bytes one row of `k` values takes in a type (0: not a type these kernels read). */
 int64_t llorch_row_bytes(int type, int64_t k);
 

@@ -1,0 +1,67 @@
+"""Each step's allowed-token masks for the constrained rows, computed beside the forward pass.
+
+A constrained job's grammar state already knows, before the forward pass starts, which
+tokens it allows next. So the masks are filled on a thread of their own while the
+model runs (llguidance and the C forward pass both release the GIL), and applied to
+those rows' logits, in place, before sampling: a disallowed token's logit becomes
+-inf, and every sampler setting then only ever sees allowed tokens. A row's mask
+depends on its own grammar state only, so a constrained row gets the same token alone
+or batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Rows
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+from llguidance.torch import fill_next_token_bitmask
+from torch import Tensor
+
+from llorch.kernels.rows import mask_rows
+
+if TYPE_CHECKING:
+    from llorch.engine.sequence import Sequence
+
+
+class PendingMasks:
+    """One step's masks, being filled: which job has which row of the bitmask."""
+
+    def __init__(self, rows: dict[str, int], bitmask: Future[Tensor] | None) -> None:
+        self._rows = rows
+        self._bitmask = bitmask
+
+    def apply(self, sampling: Rows[Sequence], logits: Tensor) -> None:
+        """Set each constrained row of `logits` (row i is sampling[i]'s) to -inf outside its grammar."""
+        if self._bitmask is None:
+            return
+        bitmask = self._bitmask.result()
+        pairs = [(i, self._rows[seq.job_id]) for i, seq in enumerate(sampling) if seq.job_id in self._rows]
+        if pairs:
+            mask_rows(logits, [i for i, _ in pairs], bitmask[[row for _, row in pairs]])
+
+
+NO_MASKS = PendingMasks({}, None)
+
+
+class GrammarMasks:
+    def __init__(self, vocab_size: int) -> None:
+        self.words = (vocab_size + 31) // 32  # one bit per token id, 32 to an int32
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="llorch-grammar")
+
+    def begin(self, sampling: Rows[Sequence]) -> PendingMasks:
+        """Start filling the masks of the rows that sample this step and carry a grammar."""
+        constrained = [seq for seq in sampling if seq.matcher is not None]
+        if not constrained:
+            return NO_MASKS
+        matchers = [seq.matcher for seq in constrained]
+
+        def fill() -> Tensor:
+            bitmask = torch.empty(len(matchers), self.words, dtype=torch.int32)
+            for row, matcher in enumerate(matchers):
+                fill_next_token_bitmask(matcher, bitmask, row)
+            return bitmask
+
+        rows = {seq.job_id: row for row, seq in enumerate(constrained)}
+        return PendingMasks(rows, self._thread.submit(fill))
