@@ -18,10 +18,10 @@ import threading
 import time
 
 import torch
-from llguidance.torch import fill_next_token_bitmask
 
 from llorch.engine.config import EngineConfig, build_engine
 from llorch.engine.engine import Engine
+from llorch.engine.masks import fill_mask
 from llorch.engine.request import Constraint, Event, GenerationRequest, SamplingParams
 
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000}
@@ -62,7 +62,7 @@ def mask_time_ms(engine: Engine, tokens: int = 200) -> float:
     times = []
     for token in ids:
         started = time.perf_counter()
-        fill_next_token_bitmask(matcher, bitmask, 0)
+        fill_mask(matcher, bitmask[0])
         times.append(time.perf_counter() - started)
         matcher.consume_token(token)
     return sorted(times)[len(times) // 2] * 1000

@@ -16,13 +16,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
-from llguidance.torch import fill_next_token_bitmask
 from torch import Tensor
 
 from llorch.kernels.rows import mask_rows
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from llorch.engine.sequence import Sequence
+
+
+def fill_mask(matcher: LLMatcher, row: Tensor) -> None:
+    """One job's allowed tokens into `row` (int32, contiguous, on the CPU), written by the library itself.
+
+    llguidance.torch offers this too, but importing it pulls in torch's compiler stack: 3 s of start-up.
+    """
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
 
 class PendingMasks:
@@ -60,7 +69,7 @@ class GrammarMasks:
         def fill() -> Tensor:
             bitmask = torch.empty(len(matchers), self.words, dtype=torch.int32)
             for row, matcher in enumerate(matchers):
-                fill_next_token_bitmask(matcher, bitmask, row)
+                fill_mask(matcher, bitmask[row])
             return bitmask
 
         rows = {seq.job_id: row for row, seq in enumerate(constrained)}
