@@ -8,7 +8,7 @@ about 1 ms where xgrammar took 90 ms, accepts Lark grammars and regular expressi
 natively, and needs neither transformers nor triton at run time.
 
 The library's view of the vocabulary (a token trie) is built once, on the first
-constrained request (or by `warm()`), never on the start-up path: 1.5 s and a few MB
+constrained request, never on the start-up path: 1.5 s and a few MB
 at 262k tokens when it is handed each token's bytes (`token_bytes`), where letting
 it parse the tokenizer's JSON again took 3 s and kept a second tokenizer of 134 MB.
 
@@ -67,10 +67,6 @@ class Grammars:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = ll_tokenizer(self._tokenizer, self._vocab_size)
             return self._ll_tokenizer
-
-    def warm(self) -> None:
-        """Build the tokenizer view in the background, so the first constrained request does not wait."""
-        threading.Thread(target=lambda: self.ll_tokenizer, name="llorch-grammar-warm", daemon=True).start()
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         """The constraint compiled for this tokenizer; RequestRejected naming its field when it cannot be."""
