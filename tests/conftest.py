@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -139,6 +140,17 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     live = start_worker(tmp_path_factory.mktemp("worker"))
     yield live
     stop_worker(live)
+
+
+@pytest.fixture(scope="session")
+def client(worker: Worker) -> openai.OpenAI:
+    """The openai client on the shared worker (modules with a worker of their own override it)."""
+    return openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="session")
+def model_id(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="session")

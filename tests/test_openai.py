@@ -145,16 +145,23 @@ def test_extras_are_accepted_through_extra_body(client: openai.OpenAI, model_id:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"logit_bias": {"5": 1.0}}, {"echo": True}, {"extra_body": {"colour": "blue"}}, {"temperature": 2.5},
-     {"n": 50}, {"max_tokens": 40000}],
+    ("kwargs", "param"),
+    [({"logit_bias": {"five": 1.0}}, "logit_bias"), ({"logit_bias": {"999999999": 1.0}}, "logit_bias"),
+     ({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"prompt": []}, "prompt"), ({"prompt": [[2, 5], []]}, "prompt.1"),
+     ({"prompt": [2, 300000]}, "prompt"), ({"prompt": [[2], [2, 300000]]}, "prompt.1"),
+     ({"prompt": ["a"] * 65}, "prompt"), ({"max_tokens": 0}, "max_tokens"), ({"best_of": 2}, None),
+     ({"extra_body": {"colour": "blue"}}, "colour"), ({"temperature": 2.5}, "temperature"), ({"n": 50}, "n"),
+     ({"max_tokens": 40000}, "max_tokens")],
 )
-def test_unsupported_or_invalid_parameters_are_400(client: openai.OpenAI, model_id: str, kwargs: dict) -> None:
+def test_unsupported_or_invalid_parameters_are_400(client: openai.OpenAI, model_id: str, kwargs: dict,
+                                                   param: str | None) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model=model_id, prompt=PROMPT, **{"max_tokens": 4, **kwargs})
+        client.completions.create(model=model_id, **{"prompt": PROMPT, "max_tokens": 4, **kwargs})
     error = caught.value.body
     assert error["type"] == "invalid_request_error"
     assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
 
 
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:

@@ -31,16 +31,6 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def client(worker: Worker) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="unused", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def model_id(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 class City(BaseModel):
     name: str = Field(max_length=20)
     country: str = Field(max_length=20)

@@ -35,6 +35,7 @@ from llorch.api.openai import create_openai_router, openapi_components
 from llorch.api.schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.api.state import WorkerState
 from llorch.api.streaming import NDJSON, SSE, frame, negotiate
+from llorch.api.tokenizer_routes import create_tokenizer_router
 from llorch.engine.errors import EngineRefusal
 from llorch.logs import correlation_id
 
@@ -68,6 +69,7 @@ _CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
 def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="llorch worker", version="0.1.0")
     app.include_router(create_openai_router(state))
+    app.include_router(create_tokenizer_router(state))
     if api_key:
         install_bearer_auth(app, api_key)
 

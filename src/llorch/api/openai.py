@@ -1,13 +1,16 @@
 """The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
 
-A request goes through the engine's front door once (chat messages are rendered
-there); each of its n choices is one engine job, submitted through the same
-JobStream as the worker API: one generation path, two wire formats.
+Each prompt of a request goes through the engine's front door once (chat messages are
+rendered there); each of its n choices is one engine job, submitted through the same
+JobStream as the worker API: one generation path, two wire formats. Choice i*n + j is
+prompt i's j-th. With `echo`, a completion's text and log-probabilities start with its
+prompt's, scored by the engine as it reads the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.body import BadRequest, read_json
@@ -34,11 +37,41 @@ from llorch.api.streaming import sse
 from llorch.api.tool_calls import ToolCallParser, ToolFormat, format_for
 from llorch.api.tool_calls import grammar as tool_grammar
 from llorch.engine.engine import Engine
-from llorch.engine.errors import EngineRefusal
-from llorch.engine.request import Constraint, End, Error, Event, GenerationRequest, TokenLogprob, TokenText
+from llorch.engine.errors import EngineRefusal, RequestRejected
+from llorch.engine.request import (
+    Constraint,
+    End,
+    Error,
+    Event,
+    GenerationRequest,
+    PreparedJob,
+    PromptLogprobs,
+    TokenLogprob,
+    TokenText,
+)
 
+NAMED_MESSAGE = re.compile(r"([a-z_]+(?:\.[0-9a-z_]+)*): ")
 FINISH_REASONS = {"MAX_TOKENS": "length", "EOS": "stop", "STOP_SEQUENCE": "stop"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class UnscoredToken:
+    """An echoed prompt's first token: nothing comes before it, so it has no log-probability."""
+
+    token_id: int
+    token: str
+
+
+LogprobEntry = TokenLogprob | UnscoredToken
+
+
+@dataclass
+class Echo:
+    """A prompt to put in front of its completion (`echo`): its text, and its first token when scored."""
+
+    text: str
+    first_token: UnscoredToken | None  # None: log-probabilities were not asked for
 
 
 @dataclass
@@ -47,16 +80,23 @@ class Choice:
 
     index: int
     text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
     end: End | None = None
     streamed_logprobs: int = 0  # how many of `logprobs` a stream has sent
+    text_offset: int = 0  # characters of text a stream has sent (text_offset of its next entry)
     parser: ToolCallParser | None = None  # when tools may be called: splits text into content and calls
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    echo: Echo | None = None  # the prompt still to put in front (taken by the first text)
 
-    def unsent_logprobs(self) -> list[TokenLogprob]:
+    def unsent_logprobs(self) -> list[LogprobEntry]:
         entries = self.logprobs[self.streamed_logprobs :]
         self.streamed_logprobs = len(self.logprobs)
         return entries
+
+    def take_echo(self) -> str:
+        """The echoed prompt's text, once; its log-probabilities are already first in `logprobs`."""
+        echo, self.echo = self.echo, None
+        return echo.text if echo else ""
 
     @property
     def finish_reason(self) -> str | None:
@@ -101,6 +141,34 @@ def ready(state: WorkerState) -> Engine:
     return state.engine
 
 
+async def parse_body(request: Request, model: type[BaseModel], state: WorkerState) -> Any:
+    """A request body validated against `model`, or the OpenAIError naming what is wrong with it.
+
+    A body that names a model must name the one this worker serves (404 otherwise).
+    """
+    try:
+        raw = await read_json(request)
+    except BadRequest as exc:  # not JSON, or too large: the same message in OpenAI's shape
+        raise OpenAIError(exc.status, exc.errors[0]["message"]) from exc
+    try:
+        body = model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        if param is None:  # a check across fields names the one it blames first: "field: why"
+            named = NAMED_MESSAGE.match(message)
+            param = named.group(1) if named else None
+            raise OpenAIError(400, message, param=param) from exc
+        raise OpenAIError(400, f"{param}: {message}", param=param) from exc
+    engine = ready(state)  # 503 while loading or draining, before anything else
+    named_model = getattr(body, "model", None)
+    if named_model is not None and named_model != engine.model_id:
+        raise OpenAIError(404, f"The model `{named_model}` does not exist; this worker serves "
+                          f"`{engine.model_id}`.", param="model", code="model_not_found")
+    return body
+
+
 def create_openai_router(state: WorkerState) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
@@ -121,10 +189,20 @@ def create_openai_router(state: WorkerState) -> APIRouter:
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
         try:
             body = await parse(request, CompletionRequest)
-            max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-            job = GenerationRequest("", body.prompt_text, max_tokens, stop=body.stop_sequences, logprobs=body.logprobs,
-                                    constraint=body.constraint())
-            return await generate(ready(state), body, job, chat=False)
+            engine = ready(state)
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+            if len(body.prompts) * body.n > engine.config.max_queue:
+                raise OpenAIError(400, f"{len(body.prompts)} prompts with n={body.n} are "
+                                  f"{len(body.prompts) * body.n} jobs; this worker queues at most "
+                                  f"{engine.config.max_queue} (--max-queue)", param="prompt")
+            scored = body.logprobs if body.echo else None
+            # Each choice gets its own sampling (its own seed); the front door checks the first's logit_bias.
+            jobs = [GenerationRequest("", prompt if isinstance(prompt, str) else None, max_tokens, body.sampling(0),
+                                      stop=body.stop_sequences, logprobs=body.logprobs, constraint=body.constraint(),
+                                      prompt_ids=None if isinstance(prompt, str) else tuple(prompt),
+                                      prompt_logprobs=scored)
+                    for prompt in body.prompts]
+            return await generate(engine, body, jobs, chat=False, echo=body.echo)
         except OpenAIError as exc:
             return exc.response()
 
@@ -139,30 +217,17 @@ def create_openai_router(state: WorkerState) -> APIRouter:
             fmt, constraint = None, body.constraint()
             if tools and body.tool_mode is not None:
                 fmt, constraint = tool_constraint(engine, tools, body.tool_mode, body.parallel_tool_calls)
-            job = GenerationRequest("", None, body.max_completion_tokens or body.max_tokens, stop=body.stop_sequences,
+            job = GenerationRequest("", None, body.max_completion_tokens or body.max_tokens, body.sampling(0),
+                                    stop=body.stop_sequences,
                                     logprobs=top, messages=tuple(m.for_template() for m in body.messages),
                                     tools=tuple(tools) if tools else None, constraint=constraint)
             calls = fmt if body.tool_mode not in (None, "none") else None
-            return await generate(engine, body, job, chat=True, tool_format=calls)
+            return await generate(engine, body, [job], chat=True, tool_format=calls)
         except OpenAIError as exc:
             return exc.response()
 
     async def parse(request: Request, model: type[OpenAIRequest]) -> Any:
-        try:
-            raw = await read_json(request)
-        except BadRequest as exc:  # not JSON, or too large: the same message in OpenAI's shape
-            raise OpenAIError(exc.status, exc.errors[0]["message"]) from exc
-        try:
-            body = model.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from exc
-        engine = ready(state)  # 503 while loading or draining, before anything else
-        if body.model != engine.model_id:
-            raise OpenAIError(404, f"The model `{body.model}` does not exist; this worker serves "
-                              f"`{engine.model_id}`.", param="model", code="model_not_found")
-        return body
+        return await parse_body(request, model, state)
 
     return router
 
@@ -178,31 +243,62 @@ def tool_constraint(engine: Engine, tools: list[dict[str, Any]], mode: str, para
     return fmt, Constraint("lark", tool_grammar(fmt, tools, mode, parallel, special), "tools")
 
 
-async def generate(engine: Engine, body: Any, request: GenerationRequest, chat: bool,
-                   tool_format: ToolFormat | None = None) -> JSONResponse | StreamingResponse:
+def prepare_all(engine: Engine, requests: list[GenerationRequest]) -> list[PreparedJob]:
+    """Each prompt through the front door; a refusal of one of several names its index."""
+    prepared = []
+    for index, request in enumerate(requests):
+        try:
+            prepared.append(engine.prepare(request))
+        except RequestRejected as exc:
+            if len(requests) > 1 and exc.field == "prompt":
+                raise RequestRejected(f"prompt.{index}", exc.constraint, f"prompt {index}: {exc.message}",
+                                      exc.code) from exc
+            raise
+    return prepared
+
+
+def echo_of(engine: Engine, job: PreparedJob) -> Echo:
+    request = job.request
+    text = request.prompt if request.prompt is not None else engine.front.tokenizer.decode(job.prompt_ids)
+    first = UnscoredToken(job.prompt_ids[0], engine.front.tokenizer.token_text(job.prompt_ids[0]))
+    return Echo(text, first if request.prompt_logprobs is not None else None)
+
+
+async def generate(engine: Engine, body: Any, requests: list[GenerationRequest], chat: bool,
+                   tool_format: ToolFormat | None = None, echo: bool = False) -> JSONResponse | StreamingResponse:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams: list[JobStream] = []
+    echoes: list[Echo | None] = []
     try:
-        prepared = await run_in_threadpool(engine.prepare, request)
-        for i in range(body.n):
-            streams.append(JobStream(engine, prepared.for_choice(f"{request_id}-{i}", body.sampling(i))))
+        prepared = await run_in_threadpool(prepare_all, engine, requests)
+        for job in prepared:
+            for i in range(body.n):
+                index = len(streams)
+                streams.append(JobStream(engine, job.for_choice(f"{request_id}-{index}", body.sampling(i))))
+                echoes.append(echo_of(engine, job) if echo else None)
     except EngineRefusal as exc:
-        for submitted in streams:  # all n choices or none
+        for submitted in streams:  # all choices or none
             engine.cancel(submitted.job_id)
         raise openai_refusal(exc) from exc
-    prompt_tokens = len(prepared.prompt_ids)
+    prompt_tokens = sum(len(job.prompt_ids) for job in prepared)
     created = int(time.time())
+    special = engine.front.tokenizer.special_ids
     shape = ChatShape(request_id, created, engine.model_id) if chat else CompletionShape(request_id, created,
-                                                                                         engine.model_id)
+                                                                                         engine.model_id, special)
+    choices = [Choice(i, parser=ToolCallParser(tool_format) if tool_format else None, echo=echoes[i])
+               for i in range(len(streams))]
+    for choice in choices:
+        if choice.echo is not None and choice.echo.first_token is not None:
+            choice.logprobs.append(choice.echo.first_token)
     if body.stream:
-        return StreamingResponse(stream_chunks(streams, shape, body.include_usage, prompt_tokens, tool_format),
+        return StreamingResponse(stream_chunks(streams, choices, shape, body.include_usage, prompt_tokens),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    choices = [Choice(i, parser=ToolCallParser(tool_format) if tool_format else None) for i in range(len(streams))]
     async for index, event in merged(streams):
         if isinstance(event, Error):
             raise openai_job_error(event)
         absorb(choices[index], event)
     for choice in choices:
+        choice.text = choice.take_echo() + choice.text
         if choice.parser is not None:  # the whole text, split into content and calls
             content, _ = choice.parser.feed(choice.text)
             rest, _ = choice.parser.finish()
@@ -217,6 +313,8 @@ def absorb(choice: Choice, event: Event) -> str:
         return event.t
     if isinstance(event, TokenLogprob):
         choice.logprobs.append(event)
+    elif isinstance(event, PromptLogprobs):
+        choice.logprobs.extend(event.entries)
     elif isinstance(event, End):
         choice.end = event
     return ""
@@ -255,9 +353,8 @@ async def merged(streams: list[JobStream]) -> AsyncIterator[tuple[int, Event]]:
             task.cancel()
 
 
-async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: bool, prompt_tokens: int,
-                        tool_format: ToolFormat | None = None) -> AsyncIterator[bytes]:
-    choices = [Choice(i, parser=ToolCallParser(tool_format) if tool_format else None) for i in range(len(streams))]
+async def stream_chunks(streams: list[JobStream], choices: list[Choice], shape: Any, include_usage: bool,
+                        prompt_tokens: int) -> AsyncIterator[bytes]:
     for choice in choices:
         first = shape.first_chunk(choice.index)
         if first:
@@ -267,7 +364,12 @@ async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: boo
         if isinstance(event, Error):
             yield sse(openai_job_error(event).body())
             break
+        if choice.echo is not None and isinstance(event, TokenText | TokenLogprob | End):
+            # The prompt is read: its text and log-probabilities go first, in a chunk of their own.
+            yield sse(shape.chunk(choice, choice.take_echo(), choice.unsent_logprobs()))
         text = absorb(choice, event)
+        if isinstance(event, PromptLogprobs):
+            continue
         calls: list[dict[str, Any]] = []
         if choice.parser is not None and (text or isinstance(event, End)):
             text, calls = choice.parser.feed(text)
@@ -278,12 +380,12 @@ async def stream_chunks(streams: list[JobStream], shape: Any, include_usage: boo
             first = len(choice.tool_calls)
             choice.tool_calls.extend(calls)
         if text or calls:
-            yield sse(shape.chunk(index, text, choice.unsent_logprobs()))
+            yield sse(shape.chunk(choice, text, choice.unsent_logprobs()))
         for offset, call in enumerate(calls):  # each call: its id and name, then its arguments
             for delta in tool_call_deltas(first + offset, call):
                 yield sse(shape.tool_chunk(index, delta))
         if isinstance(event, End):
-            yield sse(shape.chunk(index, "", choice.unsent_logprobs(), choice.finish_reason))
+            yield sse(shape.chunk(choice, "", choice.unsent_logprobs(), choice.finish_reason))
     else:
         if include_usage:
             yield sse({**shape.envelope(), "choices": [], "usage": usage(prompt_tokens, choices)})
@@ -307,19 +409,27 @@ class CompletionShape:
     id: str
     created: int
     model: str
+    special_ids: frozenset[int] = frozenset()  # tokens the text leaves out (BOS, say): they take no characters
+
+    def text_length(self, entry: LogprobEntry) -> int:
+        return 0 if entry.token_id in self.special_ids else len(entry.token)
 
     def envelope(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
 
-    def logprobs(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
+    def logprobs(self, entries: list[LogprobEntry], offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs object; `offset` is where the first entry's text starts in the completion."""
         if not entries:
             return None
         offsets, position = [], offset
         for e in entries:
             offsets.append(position)
-            position += len(e.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{tok: lp for _, tok, lp in e.top} for e in entries], "text_offset": offsets}
+            position += self.text_length(e)
+        return {"tokens": [e.token for e in entries],
+                "token_logprobs": [e.logprob if isinstance(e, TokenLogprob) else None for e in entries],
+                "top_logprobs": [{tok: lp for _, tok, lp in e.top} if isinstance(e, TokenLogprob) else None
+                                 for e in entries],
+                "text_offset": offsets}
 
     def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
         return {**self.envelope(), "choices": [
@@ -329,8 +439,11 @@ class CompletionShape:
     def first_chunk(self, index: int) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, index: int, text: str, entries: list[TokenLogprob], finish: str | None = None) -> dict[str, Any]:
-        return {**self.envelope(), "choices": [{"index": index, "text": text, "logprobs": self.logprobs(entries),
+    def chunk(self, choice: Choice, text: str, entries: list[LogprobEntry], finish: str | None = None
+              ) -> dict[str, Any]:
+        logprobs = self.logprobs(entries, choice.text_offset)
+        choice.text_offset += sum(self.text_length(e) for e in entries)
+        return {**self.envelope(), "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
                                                 "finish_reason": finish}]}
 
 
@@ -345,7 +458,8 @@ class ChatShape:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     @staticmethod
-    def logprobs(entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    def logprobs(entries: list[LogprobEntry]) -> dict[str, Any] | None:
+        entries = [e for e in entries if isinstance(e, TokenLogprob)]  # chat has no echo
         if not entries:
             return None
         return {"content": [{
@@ -374,7 +488,8 @@ class ChatShape:
         return {**self.envelope(), "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]}
 
-    def chunk(self, index: int, text: str, entries: list[TokenLogprob], finish: str | None = None) -> dict[str, Any]:
+    def chunk(self, choice: Choice, text: str, entries: list[LogprobEntry], finish: str | None = None
+              ) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return {**self.envelope(), "choices": [{"index": index, "delta": delta, "logprobs": self.logprobs(entries),
-                                                "finish_reason": finish}]}
+        return {**self.envelope(), "choices": [{"index": choice.index, "delta": delta,
+                                                "logprobs": self.logprobs(entries), "finish_reason": finish}]}

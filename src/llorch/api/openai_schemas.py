@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from llorch.api.schemas import (
     UINT64_MAX,
@@ -25,6 +25,9 @@ from llorch.engine.request import Constraint, SamplingParams
 
 MAX_CHOICES = 8
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each with its n choices)
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):
@@ -84,7 +87,9 @@ class OpenAIRequest(BaseModel):
     seed: Seed = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    # Token id (as a string, as OpenAI has it) -> a bias in [-100, 100] added to its logit before sampling.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None,
+                                                                                   max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     # llorch extras, sent by the openai client through `extra_body`
     top_k: TopK = 0
@@ -106,8 +111,9 @@ class OpenAIRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> OpenAIRequest:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for key in self.logit_bias or {}:
+            if not key.isascii() or not key.isdigit() or len(key) > 9:
+                raise ValueError(f"logit_bias: key {key[:40]!r} is not a token id (a non-negative integer)")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop: at most 4 sequences")
         if self.stream_options is not None and not self.stream:
@@ -144,23 +150,44 @@ class OpenAIRequest(BaseModel):
     def sampling(self, choice: int) -> SamplingParams:
         # Each of n choices gets its own generator: seed, seed+1, ... (reproducible as a set).
         seed = None if self.seed is None else (self.seed + choice) % (UINT64_MAX + 1)
+        bias = tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
         return sampling_params(self, seed, presence_penalty=self.presence_penalty,
-                               frequency_penalty=self.frequency_penalty)
+                               frequency_penalty=self.frequency_penalty, logit_bias=bias)
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str]
+    # Pydantic tries each form strictly first, so ["1"] stays text and [1] stays a token id.
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_form(cls, value: Any) -> Any:
+        """A clear message for a list that mixes forms (pydantic would list each form's complaint)."""
+        if isinstance(value, list) and value:
+            kinds = {"text" if isinstance(v, str) else "token ids" if isinstance(v, list) else "a token id"
+                     for v in value}
+            if len(kinds) > 1:
+                raise ValueError(f"a list mixes {' and '.join(sorted(kinds))}: give one text, a list of texts, "
+                                 "a list of token ids or a list of such lists")
+        return value
+
     @model_validator(mode="after")
-    def _single_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt: exactly one prompt per request is supported")
-        if self.echo:
-            raise ValueError("echo is not supported")
+    def _prompts(self) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("prompt: the list is empty; give a prompt, a list of prompts or a list of token ids")
+            if isinstance(self.prompt[0], str | list) and len(self.prompt) > MAX_PROMPTS:
+                raise ValueError(f"prompt: {len(self.prompt)} prompts; at most {MAX_PROMPTS} per request")
+            if isinstance(self.prompt[0], list) and not all(self.prompt):
+                index = next(i for i, ids in enumerate(self.prompt) if not ids)
+                raise ValueError(f"prompt.{index}: an empty list of token ids")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo=true (score the prompt, generate nothing)")
         if self.best_of not in (None, 1):
             raise ValueError("best_of is not supported")
         if self.suffix:
@@ -168,8 +195,12 @@ class CompletionRequest(OpenAIRequest):
         return self
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class TextPart(Strict):

@@ -22,7 +22,7 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(ge=0.0, le=2.0)]
 
 
-def sampling_params(body: Any, seed: int | None, **extra: float) -> SamplingParams:
+def sampling_params(body: Any, seed: int | None, **extra: Any) -> SamplingParams:
     """SamplingParams from a validated request carrying the shared sampling fields."""
     return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty, seed=seed, **extra)

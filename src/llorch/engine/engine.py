@@ -38,6 +38,7 @@ from llorch.engine.request import ErrorCode, Event, GenerationRequest, PreparedJ
 from llorch.engine.runner import ModelRunner, Segment
 from llorch.engine.sampler import Sampled, SamplerState, sample_batch
 from llorch.engine.scheduler import Chunk, Scheduler
+from llorch.engine.scoring import score_rows
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
 from llorch.weights.chat_template import ChatTemplate
@@ -79,7 +80,7 @@ class Engine:
         self.device = runner.device
         self.grammars = Grammars(tokenizer, runner.config.vocab_size)
         self.front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
-                               self.grammars)
+                               self.grammars, runner.config.vocab_size)
         self.masks = GrammarMasks(runner.config.vocab_size)
         self.blocks = BlockPool(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_running, config.max_batch_tokens)
@@ -258,13 +259,47 @@ class Engine:
         return sampling, torch.cat(rows) if rows else torch.empty(0)
 
     def _forward(self, chunks: list[Chunk]) -> tuple[list[Sequence], Tensor]:
-        segments = [Segment(c.seq.token_ids[c.seq.blocks.computed : c.seq.blocks.computed + c.tokens],
-                            c.seq.blocks.computed, c.seq.blocks.blocks, c.completes) for c in chunks]
-        sampling = [c.seq for c in chunks if c.completes]
+        """Run the chunks; score the prompt rows that were asked for; finish jobs that only read their prompt."""
+        segments, scored, sample_rows, row = [], [], [], 0
+        sampling: list[Sequence] = []
+        read_only = [c.seq for c in chunks if c.completes and c.seq.max_tokens == 0]
+        for c in chunks:
+            seq, start = c.seq, c.seq.blocks.computed
+            rows = seq.scored_rows(start, c.tokens)
+            samples = c.completes and seq.max_tokens > 0
+            segments.append(Segment(seq.token_ids[start : start + c.tokens], start, seq.blocks.blocks, samples,
+                                    range(rows.start - start, rows.stop - start)))
+            if rows:
+                scored.append((seq, rows, row))
+                row += len(rows)
+            if samples:
+                sampling.append(seq)
+                sample_rows.append(row)
+                row += 1
         logits = self.runner.forward(segments)
         for chunk in chunks:
             self.scheduler.computed(chunk)
+        for seq, rows, first in scored:
+            self._score(seq, rows, logits[first : first + len(rows)])
+        for seq in read_only:  # max_tokens=0: the prompt is read (and scored); nothing is generated
+            if seq.state is not SequenceState.FINISHED:
+                self._finish(seq, StopReason.MAX_TOKENS)
+        if len(sample_rows) != row:  # keep only the sampling rows
+            logits = logits[sample_rows]
+        live = [i for i, seq in enumerate(sampling) if seq.state is not SequenceState.FINISHED]
+        if len(live) != len(sampling):
+            sampling, logits = [sampling[i] for i in live], logits[live]
         return sampling, logits
+
+    def _score(self, seq: Sequence, rows: range, logits: Tensor) -> None:
+        """Emit the log-probabilities of prompt tokens rows.start + 1 .. rows.stop (row r scores token r + 1)."""
+        try:
+            targets = seq.prompt_ids[rows.start + 1 : rows.stop + 1]
+            scores = score_rows(logits, targets, seq.request.prompt_logprobs or 0)
+            self.output.prompt_scored(seq, rows.start + 1, scores)
+        except Exception as exc:  # one job's failure must not take down the others
+            log.exception("prompt scoring failed", extra={"job_id": seq.job_id})
+            self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}")
 
     def _process(self, sampling: list[Sequence], logits: Tensor, masks: PendingMasks) -> None:
         """Every sampling row's token in one go, then each job's output stage."""

@@ -22,6 +22,7 @@ from llorch.engine.request import (
     ErrorCode,
     Event,
     Metrics,
+    PromptLogprobs,
     Started,
     StopReason,
     TokenLogprob,
@@ -64,6 +65,16 @@ class OutputProcessor:
     def decoding(self, seq: Sequence) -> None:
         """The job was admitted for the first time: its decode clock starts."""
         seq.output.decode_started = seq.output.last_metrics = time.perf_counter()
+
+    def prompt_scored(self, seq: Sequence, start: int, scores: list[tuple[float, tuple[tuple[int, float], ...]]]
+                      ) -> None:
+        """Prompt tokens `start`, `start` + 1, ... were scored: one event with their log-probabilities."""
+        decode = self.tokenizer.token_text
+        entries = tuple(
+            TokenLogprob(token_id, decode(token_id), logprob, tuple((i, decode(i), value) for i, value in top))
+            for token_id, (logprob, top) in zip(seq.prompt_ids[start : start + len(scores)], scores, strict=True))
+        seq.next_scored = start + len(scores)
+        self._emit(seq, PromptLogprobs(start, entries))
 
     def accept(self, seq: Sequence, sampled: Sampled) -> StopReason | None:
         """Take one sampled token; the reason the job ends with it, or None to go on."""

@@ -19,8 +19,9 @@ from llorch.weights.tokenizer import Tokenizer
 
 class FrontDoor:
     def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, ctx_size: int, pool_tokens: int,
-                 max_prompt_tokens: int | None, grammars: Grammars) -> None:
+                 max_prompt_tokens: int | None, grammars: Grammars, vocab_size: int) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's: token ids at or past it have no embedding
         self.grammars = grammars
         self.chat_template = chat_template
         self.ctx_size = ctx_size
@@ -36,11 +37,20 @@ class FrontDoor:
         if request.messages is not None:
             # The template spells BOS itself.
             prompt, add_special = self.render_chat(request.messages, request.tools), False
+        elif request.prompt_ids is not None:
+            prompt, add_special = None, False
         elif request.prompt is not None:
             prompt, add_special = request.prompt, request.add_special_tokens
         else:
             raise RequestRejected("prompt", "required", "a job needs a prompt or chat messages")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        if prompt is None:
+            ids = self.check_token_ids(request.prompt_ids or ())
+        else:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+        if not ids:
+            raise RequestRejected("prompt", "at least one token", "the prompt is empty: it has no tokens",
+                                  code="empty_prompt")
+        self.check_logit_bias(request.sampling.logit_bias)
         max_tokens = request.max_tokens
         if max_tokens is None:  # as much as the context leaves
             max_tokens = max(1, self.max_sequence_tokens - len(ids))
@@ -50,14 +60,30 @@ class FrontDoor:
         prepared = replace(request, prompt=prompt, add_special_tokens=add_special, messages=None, tools=None)
         return PreparedJob(prepared, tuple(ids), max_tokens, grammar)
 
-    def render_chat(self, messages: tuple[dict[str, object], ...], tools: tuple[dict[str, object], ...] | None = None
-                    ) -> str:
+    def check_token_ids(self, ids: tuple[int, ...], field: str = "prompt") -> list[int]:
+        for position, token_id in enumerate(ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise RequestRejected(field, f"token ids in [0, {self.vocab_size})",
+                                      f"token {position} of {field} is {token_id}, outside this model's "
+                                      f"vocabulary of {self.vocab_size} tokens")
+        return list(ids)
+
+    def check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
+        for token_id, _ in bias:
+            if not 0 <= token_id < self.vocab_size:
+                raise RequestRejected("logit_bias", f"token ids in [0, {self.vocab_size})",
+                                      f"logit_bias names token {token_id}, outside this model's vocabulary of "
+                                      f"{self.vocab_size} tokens")
+
+    def render_chat(self, messages: tuple[dict[str, object], ...], tools: tuple[dict[str, object], ...] | None = None,
+                    add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise RequestRejected("messages", "a chat template", "this model has no chat template; use "
                                   "/v1/completions or start the worker with --chat-template-file",
                                   code="chat_template_missing")
         try:
-            return self.chat_template.render(list(messages), tools=list(tools) if tools else None)
+            return self.chat_template.render(list(messages), add_generation_prompt,
+                                             tools=list(tools) if tools else None)
         except ChatTemplateError as exc:
             raise RequestRejected("messages", "renders with the chat template", str(exc)) from exc
 

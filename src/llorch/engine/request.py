@@ -18,6 +18,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # Added to the named tokens' logits before anything else (OpenAI's logit_bias): (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -38,11 +40,11 @@ class Constraint:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """What an API asks the engine for: a prompt as text, or chat messages to render first."""
+    """What an API asks the engine for: a prompt as text or token ids, or chat messages to render first."""
 
     job_id: str
     prompt: str | None
-    # None: generate to an end-of-generation token or the end of the context.
+    # None: generate to an end-of-generation token or the end of the context; 0: only read (and score) the prompt.
     max_tokens: int | None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
@@ -56,6 +58,11 @@ class GenerationRequest:
     tools: tuple[dict[str, Any], ...] | None = None
     # Constrained decoding: every generated token keeps the output a prefix of this grammar's language.
     constraint: Constraint | None = None
+    # The prompt as token ids, used exactly as given (no special tokens added); `prompt` is then None.
+    prompt_ids: tuple[int, ...] | None = None
+    # Score the prompt: each prompt token's log-probability given the tokens before it, with this many
+    # top alternatives (None: off). The first token has none.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,19 @@ class TokenLogprob(Event):
     top: tuple[tuple[int, str, float], ...]
 
     type: ClassVar[str] = "logprob"
+
+
+@dataclass(frozen=True)
+class PromptLogprobs(Event):
+    """Log-probabilities of prompt tokens `start`, `start` + 1, ... (only when asked), in prompt order.
+
+    They all come before the job's first generated token.
+    """
+
+    start: int
+    entries: tuple[TokenLogprob, ...]
+
+    type: ClassVar[str] = "prompt_logprobs"
 
 
 @dataclass(frozen=True)

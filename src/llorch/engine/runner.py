@@ -3,7 +3,7 @@
 The pool (engine.kv.pool) is allocated once, at start-up; the scheduler decides which
 blocks each sequence uses. Every tensor the runner creates lives on the worker's
 device, and the residency guard checks them; the only values that leave the device
-are the sampled token ids (in the sampler).
+are the sampled token ids (in the sampler) and the log-probabilities asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Segment:
     start: int
     block_table: list[int]
     wants_logits: bool  # the chunk ends the known tokens, so the next token is sampled from it
+    # Offsets (within token_ids) of rows whose logits score prompt tokens; they come before the sampling row.
+    scored: range = range(0)
 
 
 class ModelRunner:
@@ -47,7 +49,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> Tensor:
-        """Logits [R, vocab] for the segments that want them, in order, after one batched forward.
+        """Logits [R, vocab] of the wanted rows after one batched forward: per segment, in order, its scored
+        rows and then its sampling row.
 
         Single-token segments should come first and together: they share one attention call.
         """
@@ -56,6 +59,7 @@ class ModelRunner:
             end = seg.start + len(seg.token_ids)
             specs.append(SegmentSpec(seg.start, len(seg.token_ids), slots_of(seg.block_table, self.kv.block_size, end)))
             ids.extend(seg.token_ids)
+            logit_rows.extend(row + offset for offset in seg.scored)
             row += len(seg.token_ids)
             if seg.wants_logits:
                 logit_rows.append(row - 1)

@@ -1,6 +1,6 @@
 """Next-token choice for a whole step's rows, on the device, with one host transfer.
 
-Per row, in order: repetition penalty, presence/frequency penalties, temperature,
+Per row, in order: logit bias, repetition penalty, presence/frequency penalties, temperature,
 top-k, top-p, min-p, then a draw. Temperature 0 is greedy (argmax).
 
 Each sequence owns a SamplerState: its parameters, its own random stream and the
@@ -48,6 +48,12 @@ class SamplerState:
         self.counts: Tensor | None = None
         if params.presence_penalty or params.frequency_penalty:
             self.counts = torch.zeros(vocab_size, device=device)
+        # Logit bias: the named ids and what is added to their logits.
+        self.bias: tuple[Tensor, Tensor] | None = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
+                         torch.tensor(values, dtype=torch.float32, device=device))
 
     @property
     def seen(self) -> Tensor | None:
@@ -118,7 +124,9 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def penalized(logits: Tensor, state: SamplerState) -> Tensor:
-    """One row's logits after the penalties its parameters ask for."""
+    """One row's logits after the bias and penalties its parameters ask for."""
+    if state.bias is not None:
+        logits = logits.index_add(0, state.bias[0], state.bias[1].to(logits.dtype))
     logits = apply_repetition_penalty(logits, state.seen, state.params.repetition_penalty)
     return apply_presence_frequency(logits, state.counts, state.params)
 
@@ -180,4 +188,4 @@ def _argmax(logits: Tensor) -> Tensor:
 
 
 def _unpenalized(state: SamplerState) -> bool:
-    return state.seen is None and state.counts is None
+    return state.seen is None and state.counts is None and state.bias is None

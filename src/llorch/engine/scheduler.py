@@ -11,6 +11,12 @@ A running sequence that needs a block when none is free takes one from the most
 recently admitted sequence, which is preempted: its blocks are released and it goes
 back to the queue at its arrival position, to recompute its tokens when readmitted
 (its stream simply pauses). The oldest job therefore always makes progress.
+
+A job that scores its prompt needs the logits of every prompt row, not just the last:
+its chunks are capped so that a step never asks for more than SCORED_ROWS_PER_STEP
+such rows (the [rows x vocabulary] logits of a whole long prompt never exist at once),
+and it reuses prefix-cached blocks only as far as it has scored already (cached
+blocks keep keys and values, not logits).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from dataclasses import dataclass, field
 
 from llorch.engine.kv.blocks import BlockPool
 from llorch.engine.sequence import Sequence, SequenceState
+
+# Rows of prompt-scoring logits one step may produce: 64 rows of a 262k vocabulary are 64 MiB of float32.
+SCORED_ROWS_PER_STEP = 64
 
 
 @dataclass
@@ -48,6 +57,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self._scored_left = SCORED_ROWS_PER_STEP  # prompt-scoring rows this step may still take
 
     def add(self, seq: Sequence) -> None:
         """Queue a job at its arrival position (a preempted job goes back ahead of later arrivals)."""
@@ -81,10 +91,11 @@ class Scheduler:
         singles: list[Chunk] = []
         prompts: list[Chunk] = []
         budget = self.max_batch_tokens
+        self._scored_left = SCORED_ROWS_PER_STEP
         for seq in list(self.running):
             if seq.state is not SequenceState.RUNNING:  # preempted earlier in this loop
                 continue
-            tokens = 1 if seq.pending == 1 else min(seq.pending, budget)
+            tokens = 1 if seq.pending == 1 else self._chunk(seq, budget)
             if tokens == 0:
                 continue
             if not self._grow(seq, seq.blocks.computed + tokens, plan):
@@ -103,6 +114,8 @@ class Scheduler:
             seq = self.waiting[0]
             # At least the last known token is computed: its logits give the next token.
             reusable = (seq.length - 1) // size
+            if seq.scoring:  # recompute the rows still to score: cached blocks have no logits
+                reusable = min(reusable, (seq.next_scored - 1) // size)
             hits = self.blocks.lookup(seq.block_hashes()[:reusable])
             fresh = self.blocks.blocks_for(seq.length) - len(hits)
             headroom = len(self.running)  # one block for each running sequence's next token
@@ -122,10 +135,19 @@ class Scheduler:
             seq.state = SequenceState.RUNNING
             self.running.append(seq)
             plan.admitted.append(seq)
-            tokens = min(seq.pending, budget)
-            prompts.append(Chunk(seq, tokens))
+            tokens = self._chunk(seq, budget)
+            if tokens:
+                prompts.append(Chunk(seq, tokens))
             budget -= tokens
         return budget
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of a sequence's pending prompt tokens this step feeds."""
+        tokens = min(seq.pending, budget)
+        if seq.scoring:
+            tokens = min(tokens, self._scored_left)
+            self._scored_left -= tokens
+        return tokens
 
     def _grow(self, seq: Sequence, tokens: int, plan: StepPlan) -> bool:
         """Blocks for `tokens` tokens of `seq`, preempting newer sequences if need be (False: seq itself)."""

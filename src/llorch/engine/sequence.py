@@ -46,6 +46,9 @@ class Sequence:
         self.blocks = BlockTable(block_size)  # tokens [0, blocks.computed) are in the KV cache
         self.prefix = PrefixHashes(block_size)
         self.accepted_at = time.perf_counter()
+        # Prompt scoring (request.prompt_logprobs): the next prompt position whose log-probability is owed.
+        # Position 0 has none; scoring is done when this reaches the prompt's length.
+        self.next_scored = 1 if job.request.prompt_logprobs is not None else len(job.prompt_ids)
 
     @property
     def length(self) -> int:
@@ -55,6 +58,18 @@ class Sequence:
     def pending(self) -> int:
         """Known tokens not yet in the KV cache (1 while decoding: the last sampled token)."""
         return len(self.token_ids) - self.blocks.computed
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt log-probabilities are still owed (their rows' logits are wanted as the prompt is read)."""
+        return self.next_scored < len(self.prompt_ids)
+
+    def scored_rows(self, start: int, tokens: int) -> range:
+        """Of the rows [start, start + tokens) a step feeds, those whose logits score a prompt token not yet
+        scored (row r scores token r + 1): recomputed rows that were scored before are skipped."""
+        if not self.scoring:
+            return range(0)
+        return range(max(start, self.next_scored - 1), min(start + tokens, len(self.prompt_ids) - 1))
 
     def block_hashes(self) -> list[bytes]:
         """Prefix-cache addresses of every full block of the known tokens."""

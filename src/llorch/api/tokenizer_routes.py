@@ -1,0 +1,133 @@
+"""Tokenizer endpoints at the server root, in the shapes evaluation tools and pool managers already call.
+
+- GET /tokenizer_info: the special tokens, the chat template and the context length;
+- POST /tokenize: a prompt, or chat messages rendered through the template, as token ids
+  (token counts without generating anything);
+- POST /detokenize: token ids back to text.
+
+With these, an evaluation needs no local copy of the tokenizer: it tokenizes through
+the worker, so its token ids are exactly the ones the worker reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, model_validator
+from starlette.concurrency import run_in_threadpool
+
+from llorch.api.errors import OPENAI_ERROR_SCHEMA, OpenAIError, error_responses, openai_refusal
+from llorch.api.openai import parse_body, ready
+from llorch.api.openai_schemas import MAX_TOOLS, ChatMessage, Strict, TokenId, Tool
+from llorch.api.state import WorkerState
+from llorch.engine.engine import Engine
+from llorch.engine.errors import RequestRejected
+
+MAX_DETOKENIZE_TOKENS = 1 << 18
+
+
+class TokenizeRequest(Strict):
+    """Either `prompt` or chat `messages` (rendered through the model's chat template first)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    # Default: BOS and the like are added to a prompt, not to rendered messages (the template spells them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools: only with messages")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}},
+    **error_responses(OPENAI_ERROR_SCHEMA, {400: "Invalid request", 401: "Missing or wrong API key",
+                                            404: "Unknown model", 413: "Body too large", 503: "Loading"}),
+}
+
+
+def request_body(model: type[Strict]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def tokenize(engine: Engine, body: TokenizeRequest) -> list[int]:
+    tokenizer = engine.front.tokenizer
+    if body.messages is not None:
+        tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
+        text = engine.front.render_chat(tuple(m.for_template() for m in body.messages), tools,
+                                        add_generation_prompt=body.add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    assert body.prompt is not None
+    add_special = True if body.add_special_tokens is None else body.add_special_tokens
+    return tokenizer.encode(body.prompt, add_special_tokens=add_special)
+
+
+def create_tokenizer_router(state: WorkerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/tokenizer_info", response_model=None, responses=RESPONSES)
+    async def tokenizer_info() -> dict[str, Any] | JSONResponse:
+        try:
+            engine = ready(state)
+        except OpenAIError as exc:
+            return exc.response()
+        tokenizer = engine.front.tokenizer
+        eos = min(tokenizer.eos_token_ids, default=None)  # the model's end of sequence (end-of-turn ids sort after)
+        template = engine.chat_template
+        return {
+            "tokenizer_class": "llorch",
+            "bos_token": tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
+            "eos_token": tokenizer.token_text(eos) if eos is not None else None,
+            "pad_token": None,  # the worker never pads: every sequence keeps its own length
+            "chat_template": template.source if template else None,
+            "model_max_length": engine.ctx_size,
+            "vocab_size": engine.runner.config.vocab_size,
+        }
+
+    @router.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest), responses=RESPONSES)
+    async def tokenize_route(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            body = await parse_body(request, TokenizeRequest, state)
+            engine = ready(state)
+            try:
+                ids = await run_in_threadpool(tokenize, engine, body)
+            except RequestRejected as exc:
+                raise openai_refusal(exc) from exc
+        except OpenAIError as exc:
+            return exc.response()
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": engine.ctx_size, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = [engine.front.tokenizer.token_text(i) for i in ids]
+        return answer
+
+    @router.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
+                 responses=RESPONSES)
+    async def detokenize_route(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            body = await parse_body(request, DetokenizeRequest, state)
+            engine = ready(state)
+            try:
+                engine.front.check_token_ids(tuple(body.tokens), field="tokens")
+            except RequestRejected as exc:
+                raise openai_refusal(exc) from exc
+        except OpenAIError as exc:
+            return exc.response()
+        text = await run_in_threadpool(engine.front.tokenizer.decode, body.tokens)
+        return {"prompt": text}
+
+    return router
