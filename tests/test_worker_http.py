@@ -213,6 +213,25 @@ def test_client_disconnect_cancels_the_job(worker: Worker) -> None:
     assert httpx.post(f"{worker.base_url}/cancel", json={"job_id": "walk-away"}).status_code == 404
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_leaves_a_non_streaming_request_cancels_its_jobs(worker: Worker, path: str) -> None:
+    """Nothing is written until the answer is whole, yet the worker notices the client leaving and stops."""
+    model = httpx.get(f"{worker.base_url}/v1/models").json()["data"][0]["id"]
+    body: dict[str, Any] = {"model": model, "max_tokens": 2048, "temperature": 0, "n": 2}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": LONG_RUNNING["prompt"]}]
+    else:
+        body["prompt"] = LONG_RUNNING["prompt"]
+    generated_before = float(scrape(worker.base_url)["llorch_generated_tokens_total"])
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{worker.base_url}{path}", json=body, timeout=httpx.Timeout(30, read=1.5))
+    assert wait_for_idle(worker) == 0
+    generated = float(scrape(worker.base_url)["llorch_generated_tokens_total"]) - generated_before
+    time.sleep(1)  # nothing goes on generating after the blocks are freed
+    assert float(scrape(worker.base_url)["llorch_generated_tokens_total"]) - generated_before == generated
+    assert generated < 2 * 2048
+
+
 @pytest.mark.parametrize("prompt_tokens", [1, 100, 1000])
 def test_prompts_of_1_100_and_1000_tokens(worker: Worker, ours: LoadedModel, prompt_tokens: int) -> None:
     prompt = "hello" + " hello" * (prompt_tokens - 1)

@@ -10,6 +10,8 @@ prompt's, scored by the engine as it reads the prompt.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 import time
 import uuid
@@ -17,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -50,6 +52,8 @@ from llorch.engine.request import (
     TokenText,
 )
 
+CLIENT_CLOSED_REQUEST = 499  # logged only: the client is gone
+log = logging.getLogger("llorch.api")
 NAMED_MESSAGE = re.compile(r"([a-z_]+(?:\.[0-9a-z_]+)*): ")
 FINISH_REASONS = {"MAX_TOKENS": "length", "EOS": "stop", "STOP_SEQUENCE": "stop"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -186,7 +190,7 @@ def create_openai_router(state: WorkerState) -> APIRouter:
 
     @router.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
                  responses=GENERATION_RESPONSES)
-    async def completions(request: Request) -> JSONResponse | StreamingResponse:
+    async def completions(request: Request) -> JSONResponse | StreamingResponse | Response:
         try:
             body = await parse(request, CompletionRequest)
             engine = ready(state)
@@ -202,13 +206,13 @@ def create_openai_router(state: WorkerState) -> APIRouter:
                                       prompt_ids=None if isinstance(prompt, str) else tuple(prompt),
                                       prompt_logprobs=scored)
                     for prompt in body.prompts]
-            return await generate(engine, body, jobs, chat=False, echo=body.echo)
+            return await generate(request, engine, body, jobs, chat=False, echo=body.echo)
         except OpenAIError as exc:
             return exc.response()
 
     @router.post("/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
                  responses=GENERATION_RESPONSES)
-    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse | Response:
         try:
             body = await parse(request, ChatCompletionRequest)
             engine = ready(state)
@@ -222,7 +226,7 @@ def create_openai_router(state: WorkerState) -> APIRouter:
                                     logprobs=top, messages=tuple(m.for_template() for m in body.messages),
                                     tools=tuple(tools) if tools else None, constraint=constraint)
             calls = fmt if body.tool_mode not in (None, "none") else None
-            return await generate(engine, body, [job], chat=True, tool_format=calls)
+            return await generate(request, engine, body, [job], chat=True, tool_format=calls)
         except OpenAIError as exc:
             return exc.response()
 
@@ -264,8 +268,9 @@ def echo_of(engine: Engine, job: PreparedJob) -> Echo:
     return Echo(text, first if request.prompt_logprobs is not None else None)
 
 
-async def generate(engine: Engine, body: Any, requests: list[GenerationRequest], chat: bool,
-                   tool_format: ToolFormat | None = None, echo: bool = False) -> JSONResponse | StreamingResponse:
+async def generate(http: Request, engine: Engine, body: Any, requests: list[GenerationRequest], chat: bool,
+                   tool_format: ToolFormat | None = None, echo: bool = False
+                   ) -> JSONResponse | StreamingResponse | Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams: list[JobStream] = []
     echoes: list[Echo | None] = []
@@ -293,10 +298,8 @@ async def generate(engine: Engine, body: Any, requests: list[GenerationRequest],
     if body.stream:
         return StreamingResponse(stream_chunks(streams, choices, shape, body.include_usage, prompt_tokens),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    async for index, event in merged(streams):
-        if isinstance(event, Error):
-            raise openai_job_error(event)
-        absorb(choices[index], event)
+    if not await unless_disconnected(http, asyncio.ensure_future(collect(streams, choices))):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the jobs are cancelled
     for choice in choices:
         choice.text = choice.take_echo() + choice.text
         if choice.parser is not None:  # the whole text, split into content and calls
@@ -304,6 +307,41 @@ async def generate(engine: Engine, body: Any, requests: list[GenerationRequest],
             rest, _ = choice.parser.finish()
             choice.text, choice.tool_calls = content + rest, choice.parser.calls
     return JSONResponse(shape.response(choices, usage(prompt_tokens, choices)))
+
+
+async def collect(streams: list[JobStream], choices: list[Choice]) -> None:
+    """Every event of every choice into its Choice; a job's error ends the request."""
+    async for index, event in merged(streams):
+        if isinstance(event, Error):
+            raise openai_job_error(event)
+        absorb(choices[index], event)
+
+
+async def unless_disconnected(http: Request, work: asyncio.Future[None]) -> bool:
+    """Await `work`, unless the client goes away first: then cancel it (ending its jobs) and say False.
+
+    A streaming response notices a gone client when a write fails; a request that answers
+    once at the end writes nothing until then, so it listens for the server's disconnect
+    message meanwhile (its body is read: nothing else can arrive).
+    """
+
+    async def client_gone() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        work.result()  # its error, if it failed
+        return True
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    log.info("client disconnected before its answer; jobs cancelled")
+    return False
 
 
 def absorb(choice: Choice, event: Event) -> str:
