@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from llorch.engine.detokenizer import IncrementalDetokenizer
 from llorch.engine.request import SamplingParams
-from llorch.engine.sampler import SamplerState, sample_batch
+from llorch.engine.sampler import SamplerState, filtered_probs, penalized, sample_batch
 from llorch.engine.stop import StopMatcher
 from llorch.weights.loader import LoadedModel
 from llorch.weights.tokenizer import Tokenizer, tokenizer_from_gguf
@@ -117,6 +117,23 @@ def test_requested_logprobs_are_the_log_softmax_of_the_raw_logits() -> None:
     assert sampled.logprob == pytest.approx(float(expected[1]))
     assert [t for t, _ in sampled.top] == [1, 3]
     assert [v for _, v in sampled.top] == pytest.approx([float(expected[1]), float(expected[3])])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-45),
+                                    SamplingParams(temperature=0.7, repetition_penalty=0.0),
+                                    SamplingParams(temperature=1e-300, repetition_penalty=0.0, top_p=0.5)])
+def test_extreme_accepted_values_still_sample(params: SamplingParams) -> None:
+    """The smallest temperatures are greedy in effect, and a zero penalty is a strong one: never NaN."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [0.0, 0.0, 3.0, 0.0]])
+    states = [state(params, 7, prompt=(1,), vocab=4) for _ in range(2)]
+    tokens = [s.token_id for s in sample_batch(logits, states)]
+    if params.repetition_penalty == 1.0:
+        assert tokens == [1, 2]
+    else:  # a penalty below 1 favours what was seen; at 0 the seen token with a positive logit wins
+        assert tokens[0] == 1
+    for row, s in zip(logits, states, strict=True):
+        probs = filtered_probs(penalized(row, s), params)
+        assert torch.isfinite(probs).all() and float(probs.sum()) == pytest.approx(1.0)
 
 
 def test_full_uint64_seed_range_is_accepted() -> None:

@@ -27,6 +27,10 @@ from llorch.kernels.rows import argmax_rows
 
 # A draw lands strictly below the total mass, whatever float32 rounding does to u * total.
 _BELOW_ONE = 1.0 - 2.0**-20
+# Accepted values below these act as these: dividing float32 logits by less overflows (1e-300 is 0 in
+# float32, and 0/0 is NaN). At 1e-6 a temperature is already greedy and a penalty already decisive.
+MIN_TEMPERATURE = 1e-6
+MIN_REPETITION_PENALTY = 1e-6
 
 
 class SamplerState:
@@ -89,6 +93,7 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor | None, penalty: float
     """Make tokens already in the context less (penalty > 1) or more (< 1) likely."""
     if penalty == 1.0 or seen is None or seen.numel() == 0:
         return logits
+    penalty = max(penalty, MIN_REPETITION_PENALTY)
     picked = logits.gather(0, seen)
     logits = logits.clone()
     logits.scatter_(0, seen, torch.where(picked > 0, picked / penalty, picked * penalty))
@@ -106,7 +111,7 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """The distribution a sampled token is drawn from (1-d), after temperature and filters."""
     logits = logits.float()
     # Shifted by the maximum first, so a tiny temperature gives -inf, never inf - inf = NaN.
-    logits = (logits - logits.max()) / params.temperature
+    logits = (logits - logits.max()) / max(params.temperature, MIN_TEMPERATURE)
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
