@@ -263,3 +263,24 @@ def test_a_job_id_in_flight_cannot_be_reused(worker: Worker) -> None:
         assert second.json()["errors"][0]["field"] == "job_id"
         httpx.post(f"{worker.base_url}/cancel", json={"job_id": "twin"})
         assert '"stop_reason":"CANCELLED"' in [line for line in lines if line.startswith("data: ")][-1]
+
+
+@pytest.mark.parametrize("path", ["/execute", "/cancel", "/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("body", [
+    b"[" * 5000 + b"]" * 5000, b'{"prompt": "\\ud800"}', b'{"job_id": "\\udfff"}', b'{"temperature": NaN}',
+    b'{"temperature": Infinity}', b'{"temperature": 1e400}', b'{"max_tokens": ' + b"9" * 5000 + b"}"])
+def test_malformed_bodies_are_400s_in_the_api_shape(worker: Worker, path: str, body: bytes) -> None:
+    answer = httpx.post(f"{worker.base_url}{path}", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    if path == "/execute" or path == "/cancel":
+        assert error["errors"][0]["field"] == "body" and "JSON" in error["errors"][0]["message"]
+    else:
+        assert error["error"]["type"] == "invalid_request_error" and "JSON" in error["error"]["message"]
+
+
+def test_unknown_routes_answer_in_the_api_shape(worker: Worker) -> None:
+    assert httpx.get(f"{worker.base_url}/v1/nothing").json()["error"]["code"] == "not_found"
+    assert httpx.get(f"{worker.base_url}/nothing").json()["errors"][0]["field"] == "path"
+    wrong_method = httpx.get(f"{worker.base_url}/execute")
+    assert wrong_method.status_code == 405 and wrong_method.json()["errors"][0]["field"] == "path"

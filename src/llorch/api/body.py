@@ -3,11 +3,38 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from fastapi import Request
 
 MAX_BODY_BYTES = 1 << 20  # a 32k-character prompt in JSON is far below this
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class _NotPlainJSON(ValueError):
+    """A value JSON does not have, though Python's parser takes it."""
+
+
+def _no_constant(name: str) -> float:
+    raise _NotPlainJSON(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotPlainJSON(f"{text[:40]} is out of range for a number")
+    return value
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON: no NaN or Infinity, no number that overflows, no unpaired surrogate, bounded nesting
+    (Python's parser recurses: a body nested thousands deep would otherwise be a RecursionError)."""
+    value = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+    if SURROGATE_ESCAPE.search(body):  # escapes that are not a valid pair decode to lone surrogates
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    return value
 
 
 class BadRequest(Exception):
@@ -30,7 +57,11 @@ async def read_json(request: Request) -> Any:
             raise BadRequest(413, [{"field": "body", "constraint": f"<= {MAX_BODY_BYTES} bytes",
                                     "message": "request body is too large"}])
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return parse_json(body)
+    except RecursionError as exc:
         raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
-                                "message": f"request body is not valid JSON: {exc}"}]) from exc
+                                "message": "request body is not valid JSON here: it is nested too deeply"}]) from exc
+    except (ValueError, UnicodeError) as exc:  # JSONDecodeError, 4300+ digit integers, lone surrogates
+        reason = "it has an unpaired surrogate" if isinstance(exc, UnicodeError) else str(exc)[:200]
+        raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
+                                "message": f"request body is not valid JSON: {reason}"}]) from exc
