@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llorch.api.auth import OPENAI_SHAPED_PATHS, install_bearer_auth
-from llorch.api.body import BadRequest, read_json
+from llorch.api.body import BadRequest, openapi_json_body, read_json
 from llorch.api.errors import (
     RETRY,
     WORKER_ERROR_SCHEMA,
@@ -44,11 +44,6 @@ from llorch.logs import correlation_id
 # The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
 WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
 CORRELATION_HEADER = "X-Correlation-ID"
-
-
-def _json_body(model: type) -> dict[str, Any]:
-    """OpenAPI requestBody for a handler that parses its own body (for clients and fuzzers)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 # One server-sent event, as OpenAPI describes them: its name, and JSON in its data line.
@@ -122,7 +117,7 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(state.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/execute", response_model=None, openapi_extra=_json_body(ExecuteRequest),
+    @app.post("/execute", response_model=None, openapi_extra=openapi_json_body(ExecuteRequest),
               responses=_EXECUTE_RESPONSES)
     async def execute(request: Request) -> StreamingResponse | JSONResponse:
         why = state.unavailable()
@@ -151,7 +146,8 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
         return StreamingResponse(stream(), media_type=media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/cancel", response_model=None, openapi_extra=_json_body(CancelRequest), responses=_CANCEL_RESPONSES)
+    @app.post("/cancel", response_model=None, openapi_extra=openapi_json_body(CancelRequest),
+              responses=_CANCEL_RESPONSES)
     async def cancel(request: Request) -> JSONResponse:
         try:
             parsed = CancelRequest.model_validate(await read_json(request))

@@ -45,6 +45,11 @@ class BadRequest(Exception):
         self.errors = errors
 
 
+def openapi_json_body(model: type) -> dict[str, Any]:
+    """OpenAPI requestBody for a handler that reads its own body with read_json (for clients and fuzzers)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
 async def read_json(request: Request) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:

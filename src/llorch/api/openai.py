@@ -71,14 +71,6 @@ LogprobEntry = TokenLogprob | UnscoredToken
 
 
 @dataclass
-class Echo:
-    """A prompt to put in front of its completion (`echo`): its text, and its first token when scored."""
-
-    text: str
-    first_token: UnscoredToken | None  # None: log-probabilities were not asked for
-
-
-@dataclass
 class Choice:
     """What one choice has produced so far."""
 
@@ -90,7 +82,7 @@ class Choice:
     text_offset: int = 0  # characters of text a stream has sent (text_offset of its next entry)
     parser: ToolCallParser | None = None  # when tools may be called: splits text into content and calls
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    echo: Echo | None = None  # the prompt still to put in front (taken by the first text)
+    echo: str | None = None  # the prompt's text still to put in front (`echo`; taken by the first text)
 
     def unsent_logprobs(self) -> list[LogprobEntry]:
         entries = self.logprobs[self.streamed_logprobs :]
@@ -100,7 +92,7 @@ class Choice:
     def take_echo(self) -> str:
         """The echoed prompt's text, once; its log-probabilities are already first in `logprobs`."""
         echo, self.echo = self.echo, None
-        return echo.text if echo else ""
+        return echo or ""
 
     @property
     def finish_reason(self) -> str | None:
@@ -192,7 +184,7 @@ def create_openai_router(state: WorkerState) -> APIRouter:
                  responses=GENERATION_RESPONSES)
     async def completions(request: Request) -> JSONResponse | StreamingResponse | Response:
         try:
-            body = await parse(request, CompletionRequest)
+            body = await parse_body(request, CompletionRequest, state)
             engine = ready(state)
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
             if len(body.prompts) * body.n > engine.config.max_queue:
@@ -214,7 +206,7 @@ def create_openai_router(state: WorkerState) -> APIRouter:
                  responses=GENERATION_RESPONSES)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse | Response:
         try:
-            body = await parse(request, ChatCompletionRequest)
+            body = await parse_body(request, ChatCompletionRequest, state)
             engine = ready(state)
             top = (body.top_logprobs or 0) if body.logprobs else None
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -229,9 +221,6 @@ def create_openai_router(state: WorkerState) -> APIRouter:
             return await generate(request, engine, body, [job], chat=True, tool_format=calls)
         except OpenAIError as exc:
             return exc.response()
-
-    async def parse(request: Request, model: type[OpenAIRequest]) -> Any:
-        return await parse_body(request, model, state)
 
     return router
 
@@ -261,11 +250,13 @@ def prepare_all(engine: Engine, requests: list[GenerationRequest]) -> list[Prepa
     return prepared
 
 
-def echo_of(engine: Engine, job: PreparedJob) -> Echo:
-    request = job.request
-    text = request.prompt if request.prompt is not None else engine.front.tokenizer.decode(job.prompt_ids)
-    first = UnscoredToken(job.prompt_ids[0], engine.front.tokenizer.token_text(job.prompt_ids[0]))
-    return Echo(text, first if request.prompt_logprobs is not None else None)
+def echo_start(engine: Engine, job: PreparedJob) -> tuple[str, list[LogprobEntry]]:
+    """What an echoed choice starts with: the prompt's text, and its unscored first token when it is scored."""
+    tokenizer = engine.front.tokenizer
+    text = job.request.prompt if job.request.prompt is not None else tokenizer.decode(job.prompt_ids)
+    if job.request.prompt_logprobs is None:
+        return text, []
+    return text, [UnscoredToken(job.prompt_ids[0], tokenizer.token_text(job.prompt_ids[0]))]
 
 
 async def generate(http: Request, engine: Engine, body: Any, requests: list[GenerationRequest], chat: bool,
@@ -273,14 +264,12 @@ async def generate(http: Request, engine: Engine, body: Any, requests: list[Gene
                    ) -> JSONResponse | StreamingResponse | Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams: list[JobStream] = []
-    echoes: list[Echo | None] = []
     try:
         prepared = await run_in_threadpool(prepare_all, engine, requests)
         for job in prepared:
             for i in range(body.n):
                 index = len(streams)
                 streams.append(JobStream(engine, job.for_choice(f"{request_id}-{index}", body.sampling(i))))
-                echoes.append(echo_of(engine, job) if echo else None)
     except EngineRefusal as exc:
         for submitted in streams:  # all choices or none
             engine.cancel(submitted.job_id)
@@ -290,11 +279,12 @@ async def generate(http: Request, engine: Engine, body: Any, requests: list[Gene
     special = engine.front.tokenizer.special_ids
     shape = ChatShape(request_id, created, engine.model_id) if chat else CompletionShape(request_id, created,
                                                                                          engine.model_id, special)
-    choices = [Choice(i, parser=ToolCallParser(tool_format) if tool_format else None, echo=echoes[i])
-               for i in range(len(streams))]
-    for choice in choices:
-        if choice.echo is not None and choice.echo.first_token is not None:
-            choice.logprobs.append(choice.echo.first_token)
+    choices: list[Choice] = []
+    for job in prepared:  # choice i * n + j is prompt i's j-th
+        text, first = echo_start(engine, job) if echo else (None, [])
+        for _ in range(body.n):
+            choices.append(Choice(len(choices), logprobs=list(first), echo=text,
+                                  parser=ToolCallParser(tool_format) if tool_format else None))
     if body.stream:
         return StreamingResponse(stream_chunks(streams, choices, shape, body.include_usage, prompt_tokens),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

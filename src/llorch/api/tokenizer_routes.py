@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from llorch.api.body import openapi_json_body
 from llorch.api.errors import OPENAI_ERROR_SCHEMA, OpenAIError, error_responses, openai_refusal
 from llorch.api.openai import parse_body, ready
 from llorch.api.openai_schemas import MAX_TOOLS, ChatMessage, Strict, TokenId, Tool
@@ -61,10 +62,6 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def request_body(model: type[Strict]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
 def tokenize(engine: Engine, body: TokenizeRequest) -> list[int]:
     tokenizer = engine.front.tokenizer
     if body.messages is not None:
@@ -87,7 +84,7 @@ def create_tokenizer_router(state: WorkerState) -> APIRouter:
         except OpenAIError as exc:
             return exc.response()
         tokenizer = engine.front.tokenizer
-        eos = min(tokenizer.eos_token_ids, default=None)  # the model's end of sequence (end-of-turn ids sort after)
+        eos = tokenizer.eos_token_id
         template = engine.chat_template
         return {
             "tokenizer_class": "llorch",
@@ -99,7 +96,8 @@ def create_tokenizer_router(state: WorkerState) -> APIRouter:
             "vocab_size": engine.runner.config.vocab_size,
         }
 
-    @router.post("/tokenize", response_model=None, openapi_extra=request_body(TokenizeRequest), responses=RESPONSES)
+    @router.post("/tokenize", response_model=None, openapi_extra=openapi_json_body(TokenizeRequest),
+                 responses=RESPONSES)
     async def tokenize_route(request: Request) -> dict[str, Any] | JSONResponse:
         try:
             body = await parse_body(request, TokenizeRequest, state)
@@ -115,7 +113,7 @@ def create_tokenizer_router(state: WorkerState) -> APIRouter:
             answer["token_strs"] = [engine.front.tokenizer.token_text(i) for i in ids]
         return answer
 
-    @router.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
+    @router.post("/detokenize", response_model=None, openapi_extra=openapi_json_body(DetokenizeRequest),
                  responses=RESPONSES)
     async def detokenize_route(request: Request) -> dict[str, Any] | JSONResponse:
         try:

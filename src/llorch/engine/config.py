@@ -117,7 +117,7 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
         source, name = family.template, f"family:{family.name}"
     log.info("chat template", extra={"chat_template": name})
     bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else ""
-    eos = min(tokenizer.eos_token_ids, default=None)
+    eos = tokenizer.eos_token_id
     try:
         return ChatTemplate(source, bos, tokenizer.token_text(eos) if eos is not None else "", name)
     except ChatTemplateError as exc:

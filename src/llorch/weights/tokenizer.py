@@ -82,6 +82,11 @@ class Tokenizer:
             byte_token_ids=frozenset(i for t, i in backend.get_vocab().items() if BYTE_TOKEN.fullmatch(t)),
         )
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's end-of-sequence token: the lowest end-of-generation id (end-of-turn ids come later)."""
+        return min(self.eos_token_ids, default=None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt ids: the text's tokens, after BOS when the model wants one.
 
