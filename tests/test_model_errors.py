@@ -112,3 +112,51 @@ def test_pickle_only_checkpoint_directory(model_dir: Path) -> None:
 def test_missing_config(model_dir: Path) -> None:
     (model_dir / "config.json").unlink()
     assert_one_line_failure(run_worker_to_exit("--model", str(model_dir)), "config.json", "is missing")
+
+
+# -- hostile config.json values: each refused in one line, before anything is sized by it ----------
+
+@pytest.mark.parametrize(("changes", "fragments"), [
+    ({"num_hidden_layers": 1e8}, ("num_hidden_layers is 100000000", "between 1 and")),
+    ({"num_attention_heads": 0}, ("num_attention_heads is 0",)),
+    ({"hidden_size": "big"}, ("hidden_size must be an integer", "'big'")),
+    ({"hidden_act": ["silu"]}, ("activation ['silu'] is not supported",)),
+    ({"rms_norm_eps": [1e-6]}, ("rms_norm_eps must be a finite number",)),
+    ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "linear"}}, ("RoPE scaling 'linear' needs 'factor'",)),
+    ({"rope_parameters": None, "rope_scaling": ["linear"]}, ("rope_scaling must be an object",)),
+    ({"layer_types": ["sliding_attention"] * 2}, ("sliding-window layers but no 'sliding_window'",)),
+    ({"sliding_window": -4}, ("sliding_window is -4",)),
+    ({"max_position_embeddings": 0}, ("max_position_embeddings is 0",)),
+], ids=["layers-1e8", "zero-heads", "string-width", "list-activation", "list-eps", "rope-no-factor",
+        "rope-list", "sliding-no-window", "negative-window", "zero-context"])
+def test_hostile_config_values(model_dir: Path, changes: dict[str, object], fragments: tuple[str, ...]) -> None:
+    edit_config(model_dir, **changes)
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir), timeout=60), "config.json", *fragments)
+
+
+def test_a_config_nested_a_hundred_thousand_deep(model_dir: Path) -> None:
+    (model_dir / "config.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    assert_one_line_failure(run_worker_to_exit("--model", str(model_dir), timeout=60), "config.json",
+                            "nests too deeply")
+
+
+@pytest.mark.parametrize("entry", ["../other/model.safetensors", "/etc/passwd", 5],
+                         ids=["parent", "absolute", "not-a-string"])
+def test_an_index_entry_outside_the_directory(model_dir: Path, entry: object) -> None:
+    """weight_map names files inside the model directory; nothing else is ever opened."""
+    shard(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map[next(iter(weight_map))] = entry
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    result = run_worker_to_exit("--model", str(model_dir), timeout=60)
+    expected = "is not a file name" if not isinstance(entry, str) else "points outside the model directory"
+    assert_one_line_failure(result, "model.safetensors.index.json", expected)
+
+
+def test_a_tokenizer_larger_than_the_embedding(model_dir: Path) -> None:
+    """Token ids the embedding has no row for would fail every job; the file is refused at start-up."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    edit_config(model_dir, vocab_size=vocab - 8)
+    result = run_worker_to_exit("--model", str(model_dir), timeout=60)
+    assert_one_line_failure(result, f"embedding holds only {vocab - 8} tokens")

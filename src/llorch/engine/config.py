@@ -27,7 +27,7 @@ from llorch.memory import release_freed_memory
 from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
-from llorch.weights.loader import LoadedModel, load_model
+from llorch.weights.loader import LoadedModel, load_model, read_template_file
 
 log = logging.getLogger("llorch.engine")
 
@@ -107,10 +107,7 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
     """The operator's template file, else the model's own, else its family's (chat_families.py)."""
     source, name = loaded.chat_template, "model"
     if path:
-        try:
-            source, name = Path(path).read_text(encoding="utf-8"), "file"
-        except OSError as exc:
-            raise StartupError(f"{path}: cannot read the chat template ({exc.strerror})") from exc
+        source, name = read_template_file(Path(path)), "file"
     tokenizer = loaded.tokenizer
     if source is None:
         family = family_for(loaded.config.architecture, tokenizer.backend.get_vocab())

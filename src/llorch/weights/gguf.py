@@ -26,6 +26,7 @@ from llorch.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_ALIGNMENT = 1 << 16
 MAX_DIMS = 8
 # Types whose numpy element type we know; everything else is a block type dequantized by gguf.
 _PLAIN_DTYPES = {
@@ -93,6 +94,7 @@ class GGUFFile:
             if offset < 0 or offset + nbytes > self.size:
                 raise self._fail(f"cached tensor {name} lies outside the file")
             self.tensors[name] = info
+        self._check_disjoint()
 
     def tensor_table(self) -> list[list[Any]]:
         """The tensors' names, shapes, types and places: what a warm start needs instead of the header."""
@@ -153,12 +155,18 @@ class GGUFFile:
             raise self._fail(f"counts (tensors={tensor_count}, metadata={kv_count}) exceed the file size")
         for _ in range(kv_count):
             key = self._string("metadata key")
+            if key in self.metadata:  # which copy counts would be a guess
+                raise self._fail(f"metadata key {key} appears twice")
             vtype = self._unpack("<I", f"{key} type")
             self.metadata[key] = self._value(vtype, key)
 
         infos = []
+        names: set[str] = set()
         for _ in range(tensor_count):
             name = self._string("tensor name")
+            if name in names:
+                raise self._fail(f"tensor {name} appears twice")
+            names.add(name)
             n_dims = self._unpack("<I", f"{name} rank")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise self._fail(f"tensor {name} has rank {n_dims}")
@@ -173,11 +181,15 @@ class GGUFFile:
                 raise self._fail(f"tensor {name} has unknown type {raw_type}") from exc
             infos.append((name, dims, qtype, rel_offset))
 
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise self._fail(f"alignment {alignment} is not a power of two")
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, int):
+            raise self._fail(f"general.alignment must be an integer, not {type(alignment).__name__}")
+        if not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+            raise self._fail(f"general.alignment {alignment} is not a power of two up to {MAX_ALIGNMENT}")
         data_start = -(-self._pos // alignment) * alignment
         for name, dims, qtype, rel_offset in infos:
+            if rel_offset % alignment:
+                raise self._fail(f"tensor {name} offset {rel_offset} is not a multiple of the alignment {alignment}")
             block_size, type_size = GGML_QUANT_SIZES[qtype]
             n_elements = int(np.prod(dims, dtype=np.float64))
             if dims[0] % block_size:
@@ -190,6 +202,15 @@ class GGUFFile:
                     f"({self.size} bytes); the file is probably truncated"
                 )
             self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), qtype, offset, nbytes)
+        self._check_disjoint()
+
+    def _check_disjoint(self) -> None:
+        """Every tensor owns its bytes: overlapping tensors would let a small file describe a huge model."""
+        previous: GGUFTensorInfo | None = None
+        for info in sorted(self.tensors.values(), key=lambda t: t.offset):
+            if previous is not None and info.offset < previous.offset + previous.nbytes:
+                raise self._fail(f"tensors {previous.name} and {info.name} overlap in the file")
+            previous = info
 
     # -- tensor access --------------------------------------------------------------------
     def raw(self, name: str) -> np.ndarray:

@@ -21,8 +21,10 @@ from llorch.errors import ModelFileError
 from llorch.kernels.blocks import NATIVE_TYPES, repacked
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llorch.models.quantized import TYPE_SUFFIX
+from llorch.weights import limits
 from llorch.weights.arena import WeightArena, arena_bytes
 from llorch.weights.gguf import GGUFFile
+from llorch.weights.limits import bounded_int, finite_float
 
 # Gemma 3 conventions llama.cpp hard-codes instead of storing: every sixth layer is
 # global, the others slide; sliding layers use RoPE base 10000.
@@ -69,18 +71,27 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    layers = int(need("block_count"))
+    def count(key: str, low: int, high: int, default: Any = None) -> int:
+        """A count the config is sized by, bounded before anything uses it."""
+        value = need(key) if default is None else get(key, default)
+        return bounded_int(value, f"metadata {arch}.{key}", low, high, gguf.path)
+
+    hidden = count("embedding_length", 1, limits.MAX_WIDTH)
+    heads = count("attention.head_count", 1, limits.MAX_HEADS)
+    head_dim = count("attention.key_length", 1, limits.MAX_HEAD_DIM, default=max(1, hidden // heads))
+    layers = count("block_count", 1, limits.MAX_LAYERS)
     blocks = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
     if blocks != {str(i) for i in range(layers)}:
-        # Checked before anything is sized by it: a corrupt count must not build a huge config.
         raise ModelFileError(gguf.path, f"block_count is {layers} but the file holds tensors for "
                              f"{len(blocks)} blocks")
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ModelFileError(gguf.path, "tensor token_embd.weight is missing")
+    if len(embed.shape) != 2:
+        raise ModelFileError(gguf.path, f"tensor token_embd.weight has shape {embed.shape}; it must be 2-D")
+    kv_heads = count("attention.head_count_kv", 1, heads, default=heads)
+    if heads % kv_heads:
+        raise ModelFileError(gguf.path, f"{heads} attention heads cannot share {kv_heads} key/value heads")
     rope_dims = int(get("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ModelFileError(gguf.path, f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
@@ -96,20 +107,22 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
             raise ModelFileError(gguf.path, f"rope_freqs has {len(factors)} factors, expected {head_dim // 2}")
 
     window = get("attention.sliding_window")
-    window = int(window) if window else None
+    window = count("attention.sliding_window", 1, limits.MAX_CONTEXT) if window else None
     settings: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=int(get("vocab_size", embed.shape[0])),
+        vocab_size=count("vocab_size", 1, limits.MAX_VOCAB, default=embed.shape[0]),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=count("feed_forward_length", 1, limits.MAX_WIDTH),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        context_length=int(need("context_length")),
-        rope_theta=float(get("rope.freq_base", 10_000.0)),
-        rope_global_scaling=float(get("rope.scaling.factor", 1.0)) if scaling_type == "linear" else 1.0,
+        rms_norm_eps=finite_float(need("attention.layer_norm_rms_epsilon"), f"metadata {arch}.attention."
+                                  "layer_norm_rms_epsilon", gguf.path),
+        context_length=count("context_length", 1, limits.MAX_CONTEXT),
+        rope_theta=finite_float(get("rope.freq_base", 10_000.0), f"metadata {arch}.rope.freq_base", gguf.path),
+        rope_global_scaling=finite_float(get("rope.scaling.factor", 1.0), f"metadata {arch}.rope.scaling.factor",
+                                         gguf.path) if scaling_type == "linear" else 1.0,
         rope_freq_factors=factors,
         # Mistral and Phi-3 slide on every layer when the file gives a window.
         sliding_layers=(window is not None,) * layers,
@@ -270,4 +283,5 @@ def state_dict_from_gguf(
 def _matrix(gguf: GGUFFile, name: str) -> bool:
     """A 2-D weight the block kernels read in place (norms and biases are dequantized)."""
     info = gguf.tensors[name]
-    return name.endswith(".weight") and len(info.shape) == 2 and info.qtype in NATIVE_TYPES
+    is_norm = name.endswith("norm.weight")  # a 2-D norm is a broken file, refused by its shape later
+    return name.endswith(".weight") and not is_norm and len(info.shape) == 2 and info.qtype in NATIVE_TYPES

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -23,7 +23,9 @@ from safetensors import SafetensorError, safe_open
 
 from llorch.errors import ModelFileError
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from llorch.weights import limits
 from llorch.weights.gguf_model import compute_tensor
+from llorch.weights.limits import bounded_int, finite_float, require_regular_file
 from llorch.weights.tokenizer import read_json_object
 
 # config.json model_type -> our architecture family.
@@ -62,34 +64,53 @@ def config_from_hf(directory: Path, weight_names: set[str]) -> ModelConfig:
     def refuse(problem: str) -> ModelFileError:
         return ModelFileError(file, f"{problem} is not supported")
 
-    hidden, heads, layers = int(need("hidden_size")), int(need("num_attention_heads")), int(need("num_hidden_layers"))
-    head_dim = int(raw.get("head_dim") or hidden // heads)
+    def count(key: str, low: int, high: int, default: Any = None) -> int:
+        """A count the config is sized by, bounded before anything uses it."""
+        value = need(key) if default is None else (raw.get(key) or default)
+        return bounded_int(value, key, low, high, file)
+
+    def number(key: str, default: float) -> float:
+        value = raw.get(key)
+        return finite_float(default if value is None else value, key, file)
+
+    hidden, heads = count("hidden_size", 1, limits.MAX_WIDTH), count("num_attention_heads", 1, limits.MAX_HEADS)
+    layers = count("num_hidden_layers", 1, limits.MAX_LAYERS)
+    head_dim = count("head_dim", 1, limits.MAX_HEAD_DIM, default=max(1, hidden // heads))
+    kv_heads = count("num_key_value_heads", 1, heads, default=heads)
+    if heads % kv_heads:
+        raise ModelFileError(file, f"{heads} attention heads cannot share {kv_heads} key/value heads")
     if raw.get("mlp_bias"):
         raise refuse("mlp_bias")
     if raw.get("attn_logit_softcapping"):
         raise refuse("attention logit soft-capping")
-    activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(
-        raw.get("hidden_activation") or raw.get("hidden_act") or "silu")
+    activation_name = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(activation_name) if isinstance(
+        activation_name, str) else None
     if activation is None:
-        raise refuse(f"activation {raw.get('hidden_activation') or raw.get('hidden_act')!r}")
+        raise refuse(f"activation {activation_name!r}")
 
-    layer_types = _layer_types(raw, arch, layers)
+    layer_types = _layer_types(raw, arch, layers, file)
     sliding = tuple(t == "sliding_attention" for t in layer_types)
     global_rope = _rope(raw, "full_attention" if arch == "gemma3" else None)
+    window = None
+    if any(sliding):
+        if raw.get("sliding_window") is None:
+            raise ModelFileError(file, "has sliding-window layers but no 'sliding_window'")
+        window = count("sliding_window", 1, limits.MAX_CONTEXT)
     settings: dict[str, Any] = dict(
         architecture=arch,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=count("vocab_size", 1, limits.MAX_VOCAB),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        intermediate_size=count("intermediate_size", 1, limits.MAX_WIDTH),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        context_length=int(need("max_position_embeddings")),
-        rope_theta=float(global_rope.get("rope_theta", 10_000.0)),
+        rms_norm_eps=number("rms_norm_eps", 1e-6),
+        context_length=count("max_position_embeddings", 1, limits.MAX_CONTEXT),
+        rope_theta=finite_float(global_rope.get("rope_theta", 10_000.0), "rope_theta", file),
         sliding_layers=sliding,
-        sliding_window=int(raw["sliding_window"]) if any(sliding) else None,
+        sliding_window=window,
         qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias")),
         o_bias=arch == "llama" and bool(raw.get("attention_bias")),
         qk_norm=arch in ("qwen3", "gemma3"),
@@ -103,21 +124,29 @@ def config_from_hf(directory: Path, weight_names: set[str]) -> ModelConfig:
         raise refuse("partial rotary embeddings")
     rope_type = global_rope.get("rope_type", "default")
     if rope_type == "linear":
-        settings["rope_global_scaling"] = float(global_rope["factor"])
+        settings["rope_global_scaling"] = _rope_number(global_rope, "factor", file)
     elif rope_type == "llama3":
-        settings["rope_freq_factors"] = llama3_freq_factors(global_rope, head_dim)
+        settings["rope_freq_factors"] = llama3_freq_factors(global_rope, head_dim, file)
     elif rope_type != "default":
         raise refuse(f"RoPE scaling {rope_type!r}")
     if arch == "gemma3":
         local = _rope(raw, "sliding_attention")
+        softcap = raw.get("final_logit_softcapping")
         settings.update(
-            rope_local_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))),
-            attention_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            rope_local_theta=finite_float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)),
+                                          "rope_local_base_freq", file),
+            attention_scale=number("query_pre_attn_scalar", head_dim) ** -0.5,
             scale_embeddings=True,
             sandwich_norms=True,
-            final_logit_softcap=raw.get("final_logit_softcapping") or None,
+            final_logit_softcap=finite_float(softcap, "final_logit_softcapping", file) if softcap else None,
         )
     return ModelConfig(**settings)
+
+
+def _rope_number(rope: dict[str, Any], key: str, file: Path) -> float:
+    if rope.get(key) is None:
+        raise ModelFileError(file, f"RoPE scaling {rope.get('rope_type')!r} needs {key!r}")
+    return finite_float(rope[key], f"RoPE scaling {key}", file)
 
 
 def _ids(value: Any) -> set[int]:
@@ -133,16 +162,17 @@ def generation_eos_ids(directory: Path) -> set[int]:
     return _ids(read_json_object(directory / "generation_config.json", required=False).get("eos_token_id"))
 
 
-def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> list[str]:
+def _layer_types(raw: dict[str, Any], arch: str, layers: int, file: Path) -> list[str]:
     declared = raw.get("layer_types")
     if isinstance(declared, list) and len(declared) == layers:
         return [str(t) for t in declared]
     window = raw.get("sliding_window")
     if arch == "gemma3":
-        pattern = int(raw.get("sliding_window_pattern") or GEMMA3_DEFAULT_SLIDING_PATTERN)
+        pattern = bounded_int(raw.get("sliding_window_pattern") or GEMMA3_DEFAULT_SLIDING_PATTERN,
+                              "sliding_window_pattern", 1, limits.MAX_LAYERS, file)
         return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     if arch in ("qwen2", "qwen3"):
-        first = int(raw.get("max_window_layers", layers))
+        first = bounded_int(raw.get("max_window_layers", layers), "max_window_layers", 0, limits.MAX_LAYERS, file)
         slides = bool(raw.get("use_sliding_window")) and window is not None
         return ["sliding_attention" if slides and i >= first else "full_attention" for i in range(layers)]
     # Mistral and Phi-3 slide on every layer when config.json gives a window.
@@ -165,22 +195,27 @@ def _rope(raw: dict[str, Any], layer_type: str | None) -> dict[str, Any]:
         if layer_type == "sliding_attention":
             result["rope_theta"] = raw.get("rope_local_base_freq", 10_000.0)
         else:
-            result.update(raw.get("rope_scaling") or {})
+            scaling = raw.get("rope_scaling") or {}
+            if not isinstance(scaling, dict):
+                raise TypeError(f"rope_scaling must be an object, not {type(scaling).__name__}")
+            result.update(scaling)
         if "partial_rotary_factor" in raw:
             result["partial_rotary_factor"] = raw["partial_rotary_factor"]
     result["rope_type"] = result.get("rope_type") or result.get("type") or "default"
     return result
 
 
-def llama3_freq_factors(rope: dict[str, Any], head_dim: int) -> tuple[float, ...]:
+def llama3_freq_factors(rope: dict[str, Any], head_dim: int, file: Path) -> tuple[float, ...]:
     """Llama 3.1's frequency-dependent RoPE scaling as a divisor per inverse frequency.
 
     Long wavelengths are divided by `factor`, short ones kept, and the band between
     interpolated smoothly, as the model was trained.
     """
-    theta, factor = float(rope["rope_theta"]), float(rope["factor"])
-    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
-    original = float(rope["original_max_position_embeddings"])
+    theta, factor = _rope_number(rope, "rope_theta", file), _rope_number(rope, "factor", file)
+    low, high = _rope_number(rope, "low_freq_factor", file), _rope_number(rope, "high_freq_factor", file)
+    original = _rope_number(rope, "original_max_position_embeddings", file)
+    if low >= high:
+        raise ModelFileError(file, f"RoPE scaling low_freq_factor {low} must be below high_freq_factor {high}")
     divisors = []
     for i in range(0, head_dim, 2):
         inv_freq = 1.0 / theta ** (i / head_dim)
@@ -202,10 +237,11 @@ def safetensors_files(directory: Path) -> list[Path]:
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelFileError(index, "has no weight_map")
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        files = [directory / _shard_name(index, name) for name in dict.fromkeys(weight_map.values())]
         for shard in files:
-            if not shard.is_file():
+            if not shard.exists():
                 raise ModelFileError(shard, f"is listed in {INDEX_FILE} but missing")
+            require_regular_file(shard)
         return files
     if (directory / SINGLE_FILE).is_file():
         return [directory / SINGLE_FILE]
@@ -215,6 +251,20 @@ def safetensors_files(directory: Path) -> list[Path]:
             directory, f"holds only pickle checkpoints ({', '.join(pickles)}), which are refused because loading "
             "them can run code; convert them to safetensors")
     raise ModelFileError(directory, f"has no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _shard_name(index: Path, name: Any) -> str:
+    """A weight_map entry: a file name inside the model directory, never a path out of it.
+
+    Checked by its spelling, not by resolving it: a directory of links into a cache (as hub
+    downloads are laid out) stays loadable, while `../x` and `/etc/passwd` are refused.
+    """
+    if not isinstance(name, str) or not name:
+        raise ModelFileError(index, f"weight_map entry {name!r} is not a file name")
+    parts = PurePosixPath(name).parts
+    if name.startswith(("/", "\\")) or "\\" in name or ".." in parts or ":" in name:
+        raise ModelFileError(index, f"weight_map entry {name!r} points outside the model directory")
+    return name
 
 
 class SafetensorsCheckpoint:

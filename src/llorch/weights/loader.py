@@ -29,6 +29,7 @@ from llorch.weights.hf_model import (
     generation_eos_ids,
     hf_state_dict,
 )
+from llorch.weights.limits import MAX_NAME_CHARS, MAX_TEMPLATE_CHARS, bounded_text, require_regular_file
 from llorch.weights.tokenizer import Tokenizer, read_json_object, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 log = logging.getLogger("llorch.weights")
@@ -82,6 +83,8 @@ def load_model(
     path = Path(path)
     if not path.exists():
         raise ModelFileError(path, "no such file or directory")
+    if not path.is_dir():
+        require_regular_file(path)  # before hashing: /dev/zero never ends, a FIFO blocks
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise ModelFileError(path, "pickle checkpoints are refused (loading them can run code); "
                              "use GGUF or safetensors")
@@ -89,6 +92,7 @@ def load_model(
     started = time.perf_counter()
     keep_quantized = keep_quantized and device.type == "cpu"
     source = _hf_source(path) if path.is_dir() else _gguf_source(path)
+    check_tokenizer_fits(path, source.tokenizer, source.config)
     release_freed_memory()  # the tokenizer's parse leftovers go before the weights come in
     log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
@@ -111,6 +115,19 @@ def load_model(
     log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3)})
     return LoadedModel(name=source.name, path=path, config=source.config, model=model, tokenizer=source.tokenizer,
                        dtype=dtype, chat_template=source.chat_template, quantized=quantized)
+
+
+def check_tokenizer_fits(path: Path, tokenizer: Tokenizer, config: ModelConfig) -> None:
+    """Every id the tokenizer can produce has an embedding row; otherwise every job would fail later."""
+    ids = tokenizer.backend.get_vocab().values()
+    largest = max(ids, default=-1)
+    if largest >= config.vocab_size:
+        raise ModelFileError(path, f"the tokenizer produces token id {largest}, but the embedding holds only "
+                             f"{config.vocab_size} tokens")
+    special = [i for i in (tokenizer.bos_token_id, *tokenizer.eos_token_ids) if i is not None]
+    if any(not 0 <= i < config.vocab_size for i in special):
+        raise ModelFileError(path, f"the BOS/EOS token ids {sorted(special)} are not all below the vocabulary "
+                             f"size {config.vocab_size}")
 
 
 def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Decoder:
@@ -189,14 +206,21 @@ def _convert_gguf_meta(path: Path, gguf: GGUFFile) -> ConvertedMeta:
     except Exception as exc:
         raise ModelFileError(path, f"invalid model metadata ({type(exc).__name__}: {exc})") from exc
     template = gguf.metadata.get("tokenizer.chat_template")
-    return ConvertedMeta(name=str(gguf.metadata.get("general.name") or path.stem), config=config,
-                         chat_template=str(template) if template else None, tokenizer=tokenizer,
-                         tensors=gguf.tensor_table())
+    if template:
+        bounded_text(template, "metadata tokenizer.chat_template", MAX_TEMPLATE_CHARS, path)
+    name = gguf.metadata.get("general.name") or path.stem
+    return ConvertedMeta(name=bounded_text(name, "metadata general.name", MAX_NAME_CHARS, path), config=config,
+                         chat_template=template or None, tokenizer=tokenizer, tensors=gguf.tensor_table())
 
 
 def _hf_source(path: Path) -> ModelSource:
     checkpoint = SafetensorsCheckpoint(path)
-    config = config_from_hf(path, checkpoint.names)
+    try:  # values of the wrong type or shape are a broken file, not a crash
+        config = config_from_hf(path, checkpoint.names)
+    except ModelFileError:
+        raise
+    except Exception as exc:
+        raise ModelFileError(path / "config.json", f"invalid config ({type(exc).__name__}: {exc})") from exc
     eos = set(config.eos_token_ids) | generation_eos_ids(path)
     tokenizer = tokenizer_from_hf_dir(path, config.bos_token_id, eos)
     return ModelSource(
@@ -212,10 +236,25 @@ def _hf_source(path: Path) -> ModelSource:
 def hf_chat_template(directory: Path) -> str | None:
     """chat_template.jinja, or tokenizer_config.json's chat_template (a string or named templates)."""
     file = directory / "chat_template.jinja"
-    if file.is_file():
-        return file.read_text(encoding="utf-8")
-    template = read_json_object(directory / "tokenizer_config.json", required=False).get("chat_template")
+    if file.exists():
+        return read_template_file(file)
+    settings = read_json_object(directory / "tokenizer_config.json", required=False)
+    template = settings.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    return template if isinstance(template, str) and template else None
+    if not isinstance(template, str) or not template:
+        return None
+    return bounded_text(template, "tokenizer_config.json chat_template", MAX_TEMPLATE_CHARS, directory)
+
+
+def read_template_file(file: Path) -> str:
+    """A jinja2 chat template file: a regular file of at most MAX_TEMPLATE_CHARS (bytes, to read no more)."""
+    require_regular_file(file)
+    if file.stat().st_size > MAX_TEMPLATE_CHARS:
+        raise ModelFileError(file, f"is {file.stat().st_size} bytes; a chat template may have at most "
+                             f"{MAX_TEMPLATE_CHARS}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelFileError(file, f"cannot be read as a UTF-8 chat template ({exc})") from exc

@@ -23,6 +23,7 @@ from tokenizers.models import BPE
 
 from llorch.cache import cache_dir
 from llorch.errors import ModelFileError
+from llorch.weights.limits import MAX_JSON_BYTES, MAX_TOKEN_CHARS, MAX_VOCAB, require_regular_file
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
 CONVERTER_VERSION = 3
@@ -53,6 +54,10 @@ BPE_PRE_TOKENIZERS: dict[str, str | None] = {
 }
 # Vocabularies whose reference tokenizer applies Unicode NFC first.
 _NFC_PRE_TOKENIZERS = {"qwen2", "deepseek-r1-qwen"}
+
+# Merges recovered from a SentencePiece vocabulary may total this many times its characters
+# (the default model's give 2.1x).
+MERGE_CHARS_PER_VOCAB_CHAR = 8
 
 # llama.cpp token types (GGUF tokenizer.ggml.token_type)
 TOKEN_CONTROL = 3
@@ -113,6 +118,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
         raise ModelFileError(
             source, f"tokenizer kind {kind!r} is not supported (supported: {', '.join(GGUF_TOKENIZER_KINDS)})"
         )
+    check_vocabulary(tokens, source)
     token_types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))]
     if len(token_types) != len(tokens):
         raise ModelFileError(source, "tokenizer token_type and tokens have different lengths")
@@ -145,13 +151,26 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
     return Tokenizer.around(backend, int(bos) if bos is not None else None, eos_ids)
 
 
+def check_vocabulary(tokens: Any, source: Path) -> None:
+    """A GGUF vocabulary: a list of at most MAX_VOCAB strings of at most MAX_TOKEN_CHARS each."""
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ModelFileError(source, "tokenizer.ggml.tokens must be an array of strings")
+    if not 0 < len(tokens) <= MAX_VOCAB:
+        raise ModelFileError(source, f"tokenizer.ggml.tokens holds {len(tokens)} tokens; it must hold 1 to {MAX_VOCAB}")
+    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
+    if len(tokens[longest]) > MAX_TOKEN_CHARS:
+        raise ModelFileError(source, f"token {longest} is {len(tokens[longest])} characters long; "
+                             f"at most {MAX_TOKEN_CHARS} are allowed")
+
+
 def tokenizer_from_hf_dir(directory: Path, bos_token_id: int | None, eos_token_ids: set[int]) -> Tokenizer:
     """A Hugging Face directory's tokenizer.json; special-token names come from tokenizer_config.json."""
     file = directory / "tokenizer.json"
-    if not file.is_file():
+    if not file.exists():
         hint = " (only tokenizer.model: llorch needs the fast tokenizer.json)" if (
             directory / "tokenizer.model").exists() else ""
         raise ModelFileError(directory, f"has no tokenizer.json{hint}")
+    require_regular_file(file)
     try:
         backend = HFTokenizer.from_file(str(file))
     except Exception as exc:
@@ -175,14 +194,19 @@ def tokenizer_from_hf_dir(directory: Path, bos_token_id: int | None, eos_token_i
 
 def read_json_object(file: Path, required: bool = True) -> dict[str, Any]:
     """A JSON object from a model directory; a broken one is a ModelFileError naming the file."""
-    if not file.is_file():
+    if not file.exists():
         if required:
             raise ModelFileError(file, "is missing")
         return {}
+    require_regular_file(file)
+    if file.stat().st_size > MAX_JSON_BYTES:
+        raise ModelFileError(file, f"is {file.stat().st_size} bytes; at most {MAX_JSON_BYTES} are read")
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFileError(file, f"is not valid JSON ({exc})") from exc
+    except RecursionError as exc:  # nested deeper than the parser's stack allows
+        raise ModelFileError(file, "nests too deeply to be a model's JSON file") from exc
     if not isinstance(value, dict):
         raise ModelFileError(file, "does not hold a JSON object")
     return value
@@ -316,12 +340,21 @@ def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]) -> lis
 
     Ties are ordered by longer left part, then longer right part, then vocabulary
     order of the merged token and of its halves, matching the reference conversion.
+
+    The merges' total length is bounded by MERGE_CHARS_PER_VOCAB_CHAR times the
+    vocabulary's: a real vocabulary yields about twice its own size, while one built to
+    split every way ("b", "bb", ... "b" x 2000) would yield a cubic amount.
     """
+    budget = MERGE_CHARS_PER_VOCAB_CHAR * sum(len(token) for token in priority)
     ranked: list[tuple[float, int, int, int, int, int, str, str]] = []
     for order, (merged, score) in enumerate(priority.items()):
         for cut in range(1, len(merged)):
             left, right = merged[:cut], merged[cut:]
             if left in vocab and right in vocab:
                 ranked.append((-score, -len(left), -len(right), order, vocab[left], vocab[right], left, right))
+                budget -= len(merged)
+        if budget < 0:
+            raise ValueError(f"the vocabulary splits into more merges than {MERGE_CHARS_PER_VOCAB_CHAR}x its own "
+                             "size; it is not a SentencePiece vocabulary")
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
