@@ -197,3 +197,56 @@ def test_a_chat_template_file_that_is_not_a_regular_file(parts: GGUFParts, tmp_p
     result = run_worker_to_exit("--model", str(model), "--chat-template-file", "/dev/zero", timeout=REFUSAL_SECONDS)
     assert_one_line_failure(result, "/dev/zero", "is not a regular file")
 
+
+# -- a model's chat template is a program: bounded in time, memory and output -------------------------
+
+HOSTILE_TEMPLATE = (
+    "{% set m = messages[0].content %}"
+    "{% if m == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{% elif m == 'memory' %}{{ 'x' * (messages|length * 4000000000) }}"
+    "{% elif m == 'wide' %}{{ 'x' * (messages|length * 40000000) }}"
+    "{% elif m == 'include' %}{% include 'other' %}"
+    "{% elif m == 'range' %}{{ range(10**9)|length }}"
+    "{% else %}<start_of_turn>user\n{{ m }}<end_of_turn>\n<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_a_hostile_chat_template_costs_one_400_each(parts: GGUFParts, tmp_path: Path) -> None:
+    """Endless loops, gigabyte strings, includes and huge ranges in the model's own template: each
+    chat request is a 400 naming the template, /health answers within a second throughout, and
+    the next request is served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import start_worker, stop_worker
+
+    model = parts.set("tokenizer.chat_template", STRING, HOSTILE_TEMPLATE).write(tmp_path / "template.gguf")
+    worker = start_worker(tmp_path, "--model", str(model))
+    try:
+        with worker.client() as client:
+
+            def chat(content: str) -> dict[str, object]:
+                body = {"model": model.stem, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+                response = client.post("/v1/chat/completions", json=body)
+                return {"status": response.status_code, **response.json()}
+
+            with ThreadPoolExecutor(1) as pool:
+                looping = pool.submit(chat, "loop")
+                health_seconds = []
+                while not looping.done():
+                    started = time.monotonic()
+                    assert client.get("/health", timeout=5).status_code == 200
+                    health_seconds.append(time.monotonic() - started)
+                    time.sleep(0.1)
+                answer = looping.result()
+            assert health_seconds and max(health_seconds) < 1.0, health_seconds
+            assert answer["status"] == 400 and "chat template took longer than" in answer["error"]["message"]
+            assert answer["error"]["param"] == "messages"
+            expected = {"memory": "MiB", "wide": "rendered more than", "include": "no loader",
+                        "range": "Range too big"}
+            for content, fragment in expected.items():
+                answer = chat(content)
+                assert answer["status"] == 400 and fragment in answer["error"]["message"], answer
+            served = chat("hello")
+            assert served["status"] == 200 and served["choices"], served
+    finally:
+        stop_worker(worker)
