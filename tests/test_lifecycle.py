@@ -45,17 +45,20 @@ def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None
         assert progress == sorted(progress)
         assert all(0 <= p <= 1 for p in progress)
 
-        # The same worker allows 2 connections: with two streams open, a third is refused.
-        # (Closed polling connections are released by the server shortly after; let them go.)
-        time.sleep(1.0)
-        # Long enough to still run when the third connection comes, short enough to end on their own.
+        # The same worker answers 2 requests at once: with two streams open, a third request is
+        # refused in its API's shape, while /health still answers.
+        # Long enough to still run when the third request comes, short enough to end on their own.
         held = {**LONG_RUNNING, "max_tokens": 48}
         streams = [Reader(worker.base_url, {"job_id": f"hold-{i}", **held}) for i in range(2)]
         for reader in streams:
             reader.start()
-            assert reader.first_token.wait(60), "a stream within the connection limit was refused"
-        assert httpx.get(f"{worker.base_url}/health").status_code == 503
-        for reader in streams:  # (a /cancel would be refused too: both connections are taken)
+            assert reader.first_token.wait(60), "a stream within the request limit was refused"
+        assert httpx.get(f"{worker.base_url}/health").status_code == 200
+        busy = httpx.post(f"{worker.base_url}/cancel", json={"job_id": "hold-0"})
+        assert busy.status_code == 503 and "--max-connections" in busy.json()["errors"][0]["message"]
+        busy = httpx.get(f"{worker.base_url}/v1/models")
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+        for reader in streams:
             reader.join(60)
             assert reader.events[-1].get("stop_reason") == "MAX_TOKENS", reader.events[-2:]
     finally:

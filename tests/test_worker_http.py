@@ -284,3 +284,48 @@ def test_unknown_routes_answer_in_the_api_shape(worker: Worker) -> None:
     assert httpx.get(f"{worker.base_url}/nothing").json()["errors"][0]["field"] == "path"
     wrong_method = httpx.get(f"{worker.base_url}/execute")
     assert wrong_method.status_code == 405 and wrong_method.json()["errors"][0]["field"] == "path"
+
+
+def test_slow_and_idle_connections_cannot_hold_the_server(worker: Worker) -> None:
+    """300 connections that send nothing, half their headers, or half their body: /health and real
+    requests are still answered at once, and each slow connection is closed by its read deadline."""
+    import socket
+
+    from llorch.api.connections import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+
+    host, port = worker.base_url.removeprefix("http://").split(":")
+    half_headers = b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+    half_body = half_headers + b"Content-Type: application/json\r\n\r\n{\"job_id\": "
+    opened = time.monotonic()
+    slow: dict[bytes, list[socket.socket]] = {b"": [], half_headers: [], half_body: []}
+    try:
+        for i in range(300):
+            sent = list(slow)[i % 3]
+            connection = socket.create_connection((host, int(port)))
+            connection.sendall(sent)
+            slow[sent].append(connection)
+        with worker.client() as client:
+            for _ in range(5):
+                started = time.monotonic()
+                assert client.get("/health").status_code == 200
+                assert time.monotonic() - started < 1.0
+            assert client.get("/v1/models").status_code == 200
+
+        def closed(connection: socket.socket, wait: float) -> bool:
+            connection.settimeout(max(wait, 0.01))
+            try:
+                return connection.recv(1) == b""
+            except ConnectionResetError:
+                return True
+            except TimeoutError:
+                return False
+
+        header_deadline = opened + HEADER_TIMEOUT_S + 3
+        for connection in slow[b""] + slow[half_headers]:
+            assert closed(connection, header_deadline - time.monotonic())
+        body_deadline = opened + BODY_TIMEOUT_S + 3
+        for connection in slow[half_body]:
+            assert closed(connection, body_deadline - time.monotonic())
+    finally:
+        for connection in (c for group in slow.values() for c in group):
+            connection.close()

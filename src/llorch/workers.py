@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from llorch.api.app import create_app
 from llorch.api.callback import send_ready
+from llorch.api.connections import RequestLimit, guarded_protocol
 from llorch.api.state import WorkerState
 from llorch.device import Backend, physical_cores, resolve_backend, verify_device
 from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES, EngineConfig, build_engine
@@ -82,8 +83,10 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
                         help="end a job still running after this many seconds with error TIMEOUT")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds to let running jobs finish (default 30)")
-    parser.add_argument("--max-connections", type=int, default=256,
-                        help="concurrent HTTP connections before new ones get 503 (default 256)")
+    parser.add_argument("--max-connections", type=positive_int, default=256,
+                        help="HTTP requests answered at once (streams included) before new ones get 503; "
+                             "/health and /metrics always answer; past this many open connections the "
+                             "oldest idle one is closed (default 256)")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
     parser.add_argument("--log-level", default="info")
     if backend == "cuda":
@@ -151,9 +154,11 @@ class Lifecycle:
 
     async def run(self, app: FastAPI) -> int:
         args = self.args
-        # uvicorn counts the arriving connection itself against its limit: +1 admits exactly N.
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                                timeout_graceful_shutdown=5, limit_concurrency=args.max_connections + 1)
+        # The request limit and the idle-connection bound are ours (api/connections.py): uvicorn's
+        # limit_concurrency counts idle connections, so slow clients could lock everyone out.
+        config = uvicorn.Config(RequestLimit(app, args.max_connections), host=args.host, port=args.port,
+                                http=guarded_protocol(args.max_connections), log_config=None, access_log=False,
+                                timeout_graceful_shutdown=5)
         server = self.server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
         while not server.started:

@@ -21,13 +21,14 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llorch.api.auth import OPENAI_SHAPED_PATHS, install_bearer_auth
+from llorch.api.auth import install_bearer_auth
 from llorch.api.body import BadRequest, openapi_json_body, read_json
 from llorch.api.errors import (
     RETRY,
     WORKER_ERROR_SCHEMA,
     OpenAIError,
     error_responses,
+    speaks_openai,
     worker_error,
     worker_errors,
     worker_refusal,
@@ -90,7 +91,7 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
     async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Unknown routes and methods answer in the API's own error shape, not the framework's."""
         message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-        if request.url.path.startswith("/v1/") or request.url.path in OPENAI_SHAPED_PATHS:
+        if speaks_openai(request.url.path):
             return OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None,
                                headers=exc.headers).response()
         return worker_error(exc.status_code, "path", "a route of this API", message, exc.headers)

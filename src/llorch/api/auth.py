@@ -7,11 +7,9 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 
-from llorch.api.errors import OpenAIError, worker_error
+from llorch.api.errors import OpenAIError, speaks_openai, worker_error
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-# Root endpoints that answer in OpenAI's error shape, like /v1/*.
-OPENAI_SHAPED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 def install_bearer_auth(app: FastAPI, api_key: str) -> None:
@@ -26,7 +24,7 @@ def install_bearer_auth(app: FastAPI, api_key: str) -> None:
             return await call_next(request)
         message = "missing or wrong API key (send 'Authorization: Bearer <key>')"
         challenge = {"WWW-Authenticate": "Bearer"}
-        if request.url.path.startswith("/v1/") or request.url.path in OPENAI_SHAPED_PATHS:
+        if speaks_openai(request.url.path):
             return OpenAIError(401, message, code="invalid_api_key", kind="authentication_error",
                                headers=challenge).response()
         return worker_error(401, "authorization", "Bearer API key", message, challenge)

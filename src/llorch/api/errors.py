@@ -13,8 +13,15 @@ from fastapi.responses import JSONResponse
 from llorch.engine.errors import DuplicateJob, EngineRefusal, QueueFull, RequestRejected
 from llorch.engine.request import Error, ErrorCode
 
+# Root endpoints that answer in OpenAI's error shape, like /v1/*.
+OPENAI_SHAPED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 RETRY_AFTER_S = "1"  # a busy, loading or draining worker: try again (or another worker) shortly
 RETRY = {"Retry-After": RETRY_AFTER_S}
+
+
+def speaks_openai(path: str) -> bool:
+    """Whether errors on `path` take OpenAI's shape (else the worker API's)."""
+    return path.startswith("/v1/") or path in OPENAI_SHAPED_PATHS
 
 
 def worker_error(status: int, field: str, constraint: str, message: str,
