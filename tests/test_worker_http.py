@@ -329,3 +329,27 @@ def test_slow_and_idle_connections_cannot_hold_the_server(worker: Worker) -> Non
     finally:
         for connection in (c for group in slow.values() for c in group):
             connection.close()
+
+
+def test_a_request_without_max_tokens_holds_kv_only_for_its_tokens(worker: Worker, ours: LoadedModel) -> None:
+    """No max_tokens means "until EOS or the context", with KV blocks taken as tokens come: the
+    context is never reserved up front. (Leaving the stream cancels the job.)"""
+    from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
+
+    block = bytes_per_block(ours.config, ours.dtype)
+    body = {"model": "m", "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]}
+    with worker.client() as client:
+        model = client.get("/v1/models").json()["data"][0]
+        body["model"] = model["id"]
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            chunks, held = 0, 0.0
+            for line in response.iter_lines():  # (leaving this loop closes the stream)
+                chunks += line.startswith("data: ")
+                if chunks == 40:
+                    held = scrape(worker.base_url)["llorch_kv_cache_bytes"]
+                    break
+    # The prompt and ~40 tokens fit in a few blocks; the context would take thousands.
+    assert 0 < held <= (128 // BLOCK_SIZE + 2) * block, held
+    assert model["max_model_len"] * block // BLOCK_SIZE > 50 * held
