@@ -160,3 +160,34 @@ def test_a_tokenizer_larger_than_the_embedding(model_dir: Path) -> None:
     edit_config(model_dir, vocab_size=vocab - 8)
     result = run_worker_to_exit("--model", str(model_dir), timeout=60)
     assert_one_line_failure(result, f"embedding holds only {vocab - 8} tokens")
+
+
+def test_a_tokenizer_regex_that_fails_is_a_400_for_that_request(model_dir: Path) -> None:
+    """A pre-tokenizer regex that backtracks past the regex engine's limit on some text fails
+    the requests carrying that text (400), not the server (500); other requests are served."""
+    from conftest import start_worker, stop_worker
+
+    file = model_dir / "tokenizer.json"
+    spec = json.loads(file.read_text())
+    catastrophic = {"type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [catastrophic, spec["pre_tokenizer"]]} if spec.get(
+        "pre_tokenizer") else catastrophic
+    file.write_text(json.dumps(spec))
+    hostile = "a" * 40 + "b"
+    worker = start_worker(model_dir.parent, "--model", str(model_dir))
+    try:
+        with worker.client() as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            answers = {
+                "prompt": client.post("/v1/completions", json={"model": model, "prompt": hostile, "max_tokens": 2}),
+                "execute": client.post("/execute", json={"job_id": "regex-1", "prompt": hostile, "max_tokens": 2}),
+                "tokenize": client.post("/tokenize", json={"prompt": hostile}),
+            }
+            for name, answer in answers.items():
+                assert answer.status_code == 400, (name, answer.text)
+                assert "tokenizer failed" in answer.text, (name, answer.text)
+            assert answers["prompt"].json()["error"]["param"] == "prompt"
+            served = client.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2})
+            assert served.status_code == 200, served.text
+    finally:
+        stop_worker(worker)

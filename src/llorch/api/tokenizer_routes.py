@@ -63,15 +63,14 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def tokenize(engine: Engine, body: TokenizeRequest) -> list[int]:
-    tokenizer = engine.front.tokenizer
     if body.messages is not None:
         tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
         text = engine.front.render_chat(tuple(m.for_template() for m in body.messages), tools,
                                         add_generation_prompt=body.add_generation_prompt)
-        return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return engine.front.encode(text, bool(body.add_special_tokens), "messages")
     assert body.prompt is not None
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
-    return tokenizer.encode(body.prompt, add_special_tokens=add_special)
+    return engine.front.encode(body.prompt, add_special)
 
 
 def create_tokenizer_router(state: WorkerState) -> APIRouter:

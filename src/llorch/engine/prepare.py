@@ -14,7 +14,7 @@ from llorch.engine.errors import RequestRejected
 from llorch.engine.grammar import Grammars
 from llorch.engine.request import GenerationRequest, PreparedJob
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
-from llorch.weights.tokenizer import Tokenizer
+from llorch.weights.tokenizer import TokenizationError, Tokenizer
 
 
 class FrontDoor:
@@ -46,7 +46,7 @@ class FrontDoor:
         if prompt is None:
             ids = self.check_token_ids(request.prompt_ids or ())
         else:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
+            ids = self.encode(prompt, add_special, "messages" if request.messages is not None else "prompt")
         if not ids:
             raise RequestRejected("prompt", "at least one token", "the prompt is empty: it has no tokens",
                                   code="empty_prompt")
@@ -59,6 +59,13 @@ class FrontDoor:
         grammar = self.grammars.compile(request.constraint) if request.constraint is not None else None
         prepared = replace(request, prompt=prompt, add_special_tokens=add_special, messages=None, tools=None)
         return PreparedJob(prepared, tuple(ids), max_tokens, grammar)
+
+    def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
+        """The text's token ids; a tokenizer failure is this request's 400, not the server's error."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except TokenizationError as exc:
+            raise RequestRejected(field, "tokenizes with the model's tokenizer", str(exc)) from exc
 
     def check_token_ids(self, ids: tuple[int, ...], field: str = "prompt") -> list[int]:
         for position, token_id in enumerate(ids):

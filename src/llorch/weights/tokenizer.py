@@ -65,6 +65,15 @@ TOKEN_USER_DEFINED = 4
 TOKEN_BYTE = 6
 
 
+class TokenizationError(ValueError):
+    """The model's tokenizer failed on a text (a pre-tokenizer regex past its backtracking limit)."""
+
+
+# What a failure inside the Rust tokenizer can raise: its errors, and its panics, which pyo3
+# reports as PanicException, a BaseException (so `except Exception` would let it through).
+_NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
 @dataclass
 class Tokenizer:
     """Text <-> token ids for one model, with the ids generation cares about."""
@@ -98,7 +107,12 @@ class Tokenizer:
         Text that already spells its special tokens (a rendered chat template) passes
         add_special_tokens=False, so BOS is not doubled.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except _NOT_FAILURES:
+            raise
+        except BaseException as exc:
+            raise TokenizationError(f"the model's tokenizer failed on this text ({str(exc)[:200]})") from exc
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens spelled out)."""
