@@ -1,16 +1,21 @@
-"""Loopback soak: N clients for M seconds against one worker, with random cancels and disconnects.
+"""Loopback soak: N clients for M seconds against one worker, with cancels, disconnects,
+abandoned non-streaming requests and slow clients.
 
     python bench/soak.py --clients 8 --seconds 600            # starts its own CPU worker
     python bench/soak.py --url http://127.0.0.1:8080 --pid PID --clients 4 --seconds 60
 
 Each client loops: submit a job (random prompt length, max_tokens, sampling), then read
-it to the end, or cancel it through /cancel after a few tokens, or drop the connection.
-It reports jobs accepted, jobs whose stream carried exactly one terminal event, jobs
-the worker itself counted as ended (must equal those accepted, disconnected ones
+it to the end, or cancel it through /cancel after a few tokens, or drop the connection,
+or send a long non-streaming OpenAI request and give up on it after a second or so. One
+client in eight is instead a slow one: it opens a connection, sends half a request and
+waits for the worker to close it. The report gives jobs accepted (by the clients' count
+and by the worker's), jobs whose stream carried exactly one terminal event, jobs the
+worker counted as ended (must equal those it accepted: disconnected and abandoned ones
 included), 503 "busy" answers (expected when clients outnumber --max-running plus
---max-queue), other 5xx answers (must be 0), jobs and KV cache still held afterwards
-(must be 0), and the worker's RSS at the start and the end. Traffic goes to loopback
-only and stops by itself.
+--max-queue), other 5xx answers (must be 0), slow connections the worker closed (all of
+them, each within its read deadline), jobs and KV cache still held afterwards (must be
+0), and the worker's RSS after the first `--warmup` seconds and at the end (the end must
+be within 10% of it). Traffic goes to loopback only and stops by itself.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import socket
 import sys
 import threading
 import time
@@ -27,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from launch import start_worker, stop
+from llorch.api.connections import HEADER_TIMEOUT_S
 
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -38,10 +45,15 @@ WORDS = (
 class SoakReport:
     clients: int
     seconds: float
-    accepted: int = 0
+    accepted: int = 0  # streams the clients saw accepted
     completed: int = 0  # read to the end
     cancelled: int = 0  # cancelled through /cancel, then read to the end
     disconnected: int = 0  # dropped by the client mid-stream
+    abandoned: int = 0  # non-streaming requests the client gave up on before the answer
+    unary_answered: int = 0  # non-streaming requests answered before the client gave up
+    slow_connections: int = 0  # half-sent requests by slow clients
+    slow_closed_in_time: int = 0  # ... that the worker closed within its read deadline
+    accepted_by_worker: int = 0  # jobs the worker accepted during the soak
     exactly_one_terminal: int = 0  # among streams read to the end
     rejected_4xx: int = 0
     busy_503: int = 0  # queue full: answered at once with Retry-After
@@ -50,6 +62,7 @@ class SoakReport:
     in_flight_after: int = -1
     kv_bytes_after: int = -1
     rss_start_mb: float = 0.0
+    rss_warm_mb: float = 0.0  # after the warm-up
     rss_end_mb: float = 0.0
     problems: list[str] = field(default_factory=list)
 
@@ -57,8 +70,14 @@ class SoakReport:
     def ok(self) -> bool:
         read_to_end = self.completed + self.cancelled
         return (self.server_errors_5xx == 0 and self.exactly_one_terminal == read_to_end
-                and self.ended_by_worker == self.accepted and self.in_flight_after == 0
-                and self.kv_bytes_after == 0 and not self.problems)
+                and self.ended_by_worker == self.accepted_by_worker and self.accepted_by_worker >= self.accepted
+                and self.in_flight_after == 0 and self.kv_bytes_after == 0
+                and self.slow_closed_in_time == self.slow_connections and not self.problems)
+
+    @property
+    def rss_steady(self) -> bool:
+        """The worker's memory at the end is within 10% of what it held after the warm-up (no leak)."""
+        return self.rss_end_mb <= 1.1 * self.rss_warm_mb
 
 
 def rss_mb(pid: int, field: str = "VmRSS") -> float:
@@ -85,9 +104,49 @@ def ended_jobs(samples: dict[str, float]) -> int:
                    if name.startswith("llorch_requests_total{") and 'outcome="rejected_' not in name))
 
 
+def slow_client_loop(url: str, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
+    """Half a request, then silence, until the worker closes the connection (its read deadline)."""
+    host, port = url.removeprefix("http://").split(":")
+    while time.monotonic() < deadline:
+        with socket.create_connection((host, int(port))) as connection:
+            connection.sendall(b"POST /execute HTTP/1.1\r\nHost: soak\r\nContent-Length: 64\r\n")
+            opened = time.monotonic()
+            connection.settimeout(HEADER_TIMEOUT_S + 5)
+            try:
+                closed = connection.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            except TimeoutError:
+                closed = False
+            with lock:
+                report.slow_connections += 1
+                report.slow_closed_in_time += closed and time.monotonic() - opened < HEADER_TIMEOUT_S + 5
+
+
+def abandon_unary(http: httpx.Client, model: str, rng: random.Random, report: SoakReport,
+                  lock: threading.Lock) -> None:
+    """A long non-streaming OpenAI request the client stops waiting for: the worker must cancel its job."""
+    body = {"model": model, "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 50))),
+            "max_tokens": rng.randint(200, 2000), "temperature": 0.7}
+    try:
+        response = http.post("/v1/completions", json=body, timeout=rng.uniform(0.3, 2.0))
+    except httpx.TimeoutException:
+        with lock:
+            report.abandoned += 1
+        return
+    with lock:
+        if response.status_code == 503 and response.headers.get("retry-after"):
+            report.busy_503 += 1
+        elif response.status_code >= 500:
+            report.server_errors_5xx += 1
+        else:
+            report.unary_answered += 1
+
+
 def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
     rng = random.Random(index)
     with httpx.Client(base_url=url, timeout=120) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
         n = 0
         while time.monotonic() < deadline:
             n += 1
@@ -95,7 +154,10 @@ def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock:
             body = {"job_id": job_id, "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 200))),
                     "max_tokens": rng.randint(1, 48), "temperature": rng.choice([0.0, 0.7, 1.0]),
                     "seed": rng.randint(0, 2**32)}
-            action = rng.choices(["complete", "cancel", "disconnect"], weights=[6, 2, 2])[0]
+            action = rng.choices(["complete", "cancel", "disconnect", "abandon"], weights=[6, 2, 2, 1])[0]
+            if action == "abandon":
+                abandon_unary(http, model, rng, report, lock)
+                continue
             terminals, seen_tokens = 0, 0
             with http.stream("POST", "/execute", json=body) as response:
                 if response.status_code == 503 and response.headers.get("retry-after"):
@@ -136,14 +198,19 @@ def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock:
                         report.problems.append(f"{job_id}: {terminals} terminal events")
 
 
-def soak(url: str, pid: int, clients: int, seconds: float) -> SoakReport:
+def soak(url: str, pid: int, clients: int, seconds: float, warmup: float = 0.0) -> SoakReport:
     report = SoakReport(clients=clients, seconds=seconds, rss_start_mb=rss_mb(pid))
-    ended_before = ended_jobs(scrape(url))
+    before = scrape(url)
+    ended_before, accepted_before = ended_jobs(before), before.get("llorch_jobs_accepted_total", 0)
     lock = threading.Lock()
-    deadline = time.monotonic() + seconds
-    threads = [threading.Thread(target=client_loop, args=(url, i, deadline, report, lock)) for i in range(clients)]
+    started = time.monotonic()
+    deadline = started + seconds
+    threads = [threading.Thread(target=slow_client_loop, args=(url, deadline, report, lock)) if i % 8 == 7 else
+               threading.Thread(target=client_loop, args=(url, i, deadline, report, lock)) for i in range(clients)]
     for thread in threads:
         thread.start()
+    time.sleep(max(0.0, min(warmup, seconds) - (time.monotonic() - started)))
+    report.rss_warm_mb = rss_mb(pid)
     for thread in threads:
         thread.join()
     # Every job must be gone: no KV cache left behind by a cancel or a disconnect.
@@ -154,7 +221,9 @@ def soak(url: str, pid: int, clients: int, seconds: float) -> SoakReport:
         report.in_flight_after = int(samples["llorch_running_jobs"] + samples["llorch_queue_depth"])
         report.kv_bytes_after = int(samples["llorch_kv_cache_bytes"])
         report.ended_by_worker = ended_jobs(samples) - ended_before
-        if report.in_flight_after == 0 and health["status"] == "healthy" and report.ended_by_worker >= report.accepted:
+        report.accepted_by_worker = int(samples.get("llorch_jobs_accepted_total", 0) - accepted_before)
+        if (report.in_flight_after == 0 and health["status"] == "healthy"
+                and report.ended_by_worker >= report.accepted_by_worker):
             break
         time.sleep(0.1)
     report.rss_end_mb = rss_mb(pid)
@@ -167,6 +236,8 @@ def main() -> None:
     parser.add_argument("--pid", type=int)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--warmup", type=float, default=120,
+                        help="seconds after which the RSS baseline is taken (default 120)")
     args = parser.parse_args()
     server = None
     url, pid = args.url, args.pid
@@ -174,12 +245,12 @@ def main() -> None:
         server = start_worker(None)
         url, pid = server.base_url, server.process.pid
     try:
-        report = soak(url, pid, args.clients, args.seconds)
+        report = soak(url, pid, args.clients, args.seconds, args.warmup)
     finally:
         if server is not None:
             stop(server)
-    print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
-    sys.exit(0 if report.ok else 1)
+    print(json.dumps({**asdict(report), "ok": report.ok, "rss_steady": report.rss_steady}, indent=2))
+    sys.exit(0 if report.ok and report.rss_steady else 1)
 
 
 if __name__ == "__main__":

@@ -353,3 +353,58 @@ def test_a_request_without_max_tokens_holds_kv_only_for_its_tokens(worker: Worke
     # The prompt and ~40 tokens fit in a few blocks; the context would take thousands.
     assert 0 < held <= (128 // BLOCK_SIZE + 2) * block, held
     assert model["max_model_len"] * block // BLOCK_SIZE > 50 * held
+
+
+def test_ids_and_names_are_length_bounded(worker: Worker) -> None:
+    """A huge job_id or model name is a 400, not megabytes in every event and log line."""
+    huge = "j" * (1 << 19)  # half a MiB: within the body limit
+    with worker.client() as client:
+        for path in ("/execute", "/cancel"):
+            body = {"job_id": huge, "prompt": "Hello", "max_tokens": 1} if path == "/execute" else {"job_id": huge}
+            answer = client.post(path, json=body)
+            assert answer.status_code == 400, path
+            assert answer.json()["errors"][0]["field"] == "job_id"
+            assert len(answer.content) < 4096
+        answer = client.post("/v1/completions", json={"model": huge, "prompt": "Hello", "max_tokens": 1})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
+        assert len(answer.content) < 4096
+
+
+def test_openai_prompts_are_bounded_before_tokenizing(worker: Worker) -> None:
+    from llorch.api.schemas import MAX_PROMPT_CHARS
+
+    text = "word " * (MAX_PROMPT_CHARS // 5 + 1)
+    with worker.client() as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        answers = [
+            client.post("/v1/completions", json={"model": model, "prompt": text, "max_tokens": 1}),
+            client.post("/v1/completions", json={"model": model, "prompt": ["short", text], "max_tokens": 1}),
+            client.post("/v1/chat/completions", json={"model": model, "max_tokens": 1,
+                                                      "messages": [{"role": "user", "content": text}]}),
+        ]
+    for answer in answers:
+        assert answer.status_code == 400 and f"at most {MAX_PROMPT_CHARS}" in answer.json()["error"]["message"]
+
+
+def test_openai_errors_list_every_violation_and_say_why(worker: Worker) -> None:
+    """One message names every problem ("param: why; ..."), and content parts say what is unsupported."""
+    with worker.client() as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+
+        def chat(**fields: Any) -> dict[str, Any]:
+            answer = client.post("/v1/chat/completions", json={"model": model, **fields})
+            assert answer.status_code == 400, answer.text
+            return answer.json()["error"]
+
+        user = [{"role": "user", "content": "Hi"}]
+        both = chat(messages=user, temperature=-1, top_p=5)
+        assert both["param"] == "temperature" and "temperature:" in both["message"] and "top_p:" in both["message"]
+        image = chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+        assert "content part 1 has type 'image_url'" in image["message"] and "text parts only" in image["message"]
+        assert image["param"] == "messages.0.content"
+        orphan = chat(messages=[*user, {"role": "tool", "content": "42"}])
+        assert "a tool message needs the tool_call_id it answers" in orphan["message"]
+        shaped = chat(messages=[{"role": "user", "content": {"text": "Hi"}}])
+        assert "content must be a string, a list of text parts or null, not dict" in shaped["message"]

@@ -76,6 +76,9 @@ def openai_job_error(event: Error) -> OpenAIError:
     """A job's terminal error event in OpenAI's shape."""
     if event.code is ErrorCode.VRAM_OOM:
         return OpenAIError(503, event.message, code="out_of_memory", kind="server_error")
+    if event.code is ErrorCode.CANCELLED:  # the worker is draining (or the job was cancelled): try elsewhere
+        return OpenAIError(503, f"The job was cancelled: {event.message}", code="cancelled", kind="server_error",
+                           headers=RETRY)
     return OpenAIError(500, event.message, code=event.code.value.lower(), kind="server_error")
 
 

@@ -137,6 +137,25 @@ def ready(state: WorkerState) -> Engine:
     return state.engine
 
 
+def validation_error(exc: ValidationError) -> OpenAIError:
+    """Every violation in one message ("param: why; param: why"), `param` naming the first.
+
+    OpenAI's error shape holds one message; listing them all there tells a client everything
+    to fix at once, as the worker API's list does.
+    """
+    violations: list[tuple[str | None, str]] = []
+    for error in exc.errors(include_url=False):
+        param = ".".join(str(p) for p in error["loc"]) or None
+        message = error["msg"].removeprefix("Value error, ")
+        if param is None:  # a check across fields names the one it blames first: "field: why"
+            named = NAMED_MESSAGE.match(message)
+            violations.append((named.group(1) if named else None, message))
+        else:
+            violations.append((param, f"{param}: {message}"))
+    unique = list(dict.fromkeys(message for _, message in violations))
+    return OpenAIError(400, "; ".join(unique), param=violations[0][0])
+
+
 async def parse_body(request: Request, model: type[BaseModel], state: WorkerState) -> Any:
     """A request body validated against `model`, or the OpenAIError naming what is wrong with it.
 
@@ -149,14 +168,7 @@ async def parse_body(request: Request, model: type[BaseModel], state: WorkerStat
     try:
         body = model.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
-        if param is None:  # a check across fields names the one it blames first: "field: why"
-            named = NAMED_MESSAGE.match(message)
-            param = named.group(1) if named else None
-            raise OpenAIError(400, message, param=param) from exc
-        raise OpenAIError(400, f"{param}: {message}", param=param) from exc
+        raise validation_error(exc) from exc
     engine = ready(state)  # 503 while loading or draining, before anything else
     named_model = getattr(body, "model", None)
     if named_model is not None and named_model != engine.model_id:

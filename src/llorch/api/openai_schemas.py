@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from llorch.api.schemas import (
+    MAX_ID_CHARS,
+    MAX_PROMPT_CHARS,
     UINT64_MAX,
     MinP,
     RepetitionPenalty,
@@ -76,7 +78,7 @@ class OpenAIRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str = Field(max_length=MAX_ID_CHARS)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -167,13 +169,20 @@ class CompletionRequest(OpenAIRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_form(cls, value: Any) -> Any:
-        """A clear message for a list that mixes forms (pydantic would list each form's complaint)."""
+        """A clear message for a list that mixes forms (pydantic would list each form's complaint), and
+        the length limit on texts before anything tokenizes them."""
         if isinstance(value, list) and value:
             kinds = {"text" if isinstance(v, str) else "token ids" if isinstance(v, list) else "a token id"
                      for v in value}
             if len(kinds) > 1:
                 raise ValueError(f"a list mixes {' and '.join(sorted(kinds))}: give one text, a list of texts, "
                                  "a list of token ids or a list of such lists")
+        texts = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        for index, text in enumerate(texts):
+            if isinstance(text, str) and len(text) > MAX_PROMPT_CHARS:
+                where = "" if isinstance(value, str) else f" (prompt {index})"
+                raise ValueError(f"the prompt{where} is {len(text)} characters; at most {MAX_PROMPT_CHARS} "
+                                 "are accepted")
         return value
 
     @model_validator(mode="after")
@@ -222,7 +231,7 @@ class CalledFunction(Strict):
 
 
 class ToolCall(Strict):
-    id: str
+    id: str = Field(max_length=MAX_ID_CHARS)
     type: Literal["function"] = "function"
     function: CalledFunction
 
@@ -230,9 +239,30 @@ class ToolCall(Strict):
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
-    tool_call_id: str | None = None  # a tool turn: the call it answers
+    tool_call_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)  # a tool turn: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content(cls, value: Any) -> Any:
+        """Say what is wrong with content in one message (pydantic would list each union member's complaint)."""
+        if value is None or isinstance(value, str):
+            parts = [value] if value else []
+        elif isinstance(value, list):
+            for index, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    shown = f"type {kind!r}" if isinstance(kind, str) else "no type 'text'"
+                    raise ValueError(f"content part {index} has {shown}; this worker reads text parts only "
+                                     "(images, audio and files are not supported)")
+            parts = [part.get("text") for part in value]
+        else:
+            raise ValueError(f"content must be a string, a list of text parts or null, not {type(value).__name__}")
+        length = sum(len(text) for text in parts if isinstance(text, str))
+        if length > MAX_PROMPT_CHARS:
+            raise ValueError(f"the message is {length} characters; at most {MAX_PROMPT_CHARS} are accepted")
+        return value
 
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:

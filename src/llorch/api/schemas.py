@@ -28,12 +28,17 @@ def sampling_params(body: Any, seed: int | None, **extra: Any) -> SamplingParams
                           repetition_penalty=body.repetition_penalty, seed=seed, **extra)
 
 
+MAX_PROMPT_CHARS = 32768  # one prompt's text, or one chat message's: checked before anything tokenizes it
+MAX_ID_CHARS = 256  # job ids and model names: they appear in every event and log line
+JobId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+
+
 class ExecuteRequest(BaseModel):
     # Strict: "5" is not an int and true is not a number; unknown fields are errors.
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    job_id: str = Field(min_length=1)
-    prompt: str = Field(min_length=1, max_length=32768)
+    job_id: JobId
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     max_tokens: int = Field(ge=1, le=2048)
     temperature: Temperature = 1.0
     seed: Seed = None
@@ -66,7 +71,7 @@ class ExecuteRequest(BaseModel):
 class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    job_id: str = Field(min_length=1)
+    job_id: JobId
 
 
 # pydantic error type -> the constraint we name, given the error's context.
@@ -92,11 +97,18 @@ def field_errors(exc: ValidationError) -> list[dict[str, Any]]:
         describe = _CONSTRAINTS.get(kind)
         constraint = describe(err.get("ctx", {})) if describe else kind.removesuffix("_type") + " type"
         entry: dict[str, Any] = {"field": loc, "constraint": constraint, "message": err["msg"]}
-        if kind != "missing" and _is_json_value(err.get("input")):
+        if kind != "missing" and _is_small_json_value(err.get("input")):
             entry["value"] = err["input"]
         errors.append(entry)
     return errors
 
 
-def _is_json_value(value: Any) -> bool:
-    return isinstance(value, (str, int, float, bool, list)) or value is None
+MAX_ECHOED_CHARS = 200  # an offending value is echoed back only when short: a 1 MiB one would be amplified
+
+
+def _is_small_json_value(value: Any) -> bool:
+    if isinstance(value, str):
+        return len(value) <= MAX_ECHOED_CHARS
+    if isinstance(value, list):
+        return len(json.dumps(value, default=str)) <= MAX_ECHOED_CHARS
+    return isinstance(value, (int, float, bool)) or value is None

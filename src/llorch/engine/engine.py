@@ -145,6 +145,7 @@ class Engine:
             self._arrivals += 1
             seq = Sequence(job, emit, output, seed, self._arrivals, self.runner.kv.block_size)
             self._jobs[request.job_id] = seq
+        self.telemetry.accepted.inc()
         self._inbox.put(("submit", seq))
 
     def cancel(self, job_id: str) -> bool:

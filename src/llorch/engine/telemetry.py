@@ -24,6 +24,8 @@ class Telemetry:
             buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("llorch_batch_size", "Jobs sharing each forward step",
                                     buckets=(*range(1, 17), 24, 32, 48, 64), registry=r)
+        self.accepted = Counter("llorch_jobs_accepted", "Jobs accepted by the engine (each ends with exactly "
+                                "one terminal outcome in llorch_requests_total)", registry=r)
         self.queue_depth = Gauge("llorch_queue_depth", "Jobs accepted and waiting for a slot", registry=r)
         self.running = Gauge("llorch_running_jobs", "Jobs being generated", registry=r)
         self.kv_cache_bytes = Gauge("llorch_kv_cache_bytes", "Bytes of KV pool blocks held by jobs", registry=r)
