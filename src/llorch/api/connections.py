@@ -63,10 +63,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def _watch_reading(self) -> None:
         """One deadline per phase: headers (their IDLE), then body (their SEND_BODY); none once it is all here."""
-        state = self.conn.their_state
-        if state not in (h11.IDLE, h11.SEND_BODY) or self.transport.is_closing():
+        if not self.reading_request:
             self._cancel_deadline()
             return
+        state = self.conn.their_state
         if state is h11.IDLE and self.timeout_keep_alive_task is not None:
             return  # between requests: uvicorn's keep-alive timeout closes it
         if self._deadline_for is state:

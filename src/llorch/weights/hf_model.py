@@ -262,7 +262,7 @@ def _shard_name(index: Path, name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise ModelFileError(index, f"weight_map entry {name!r} is not a file name")
     parts = PurePosixPath(name).parts
-    if name.startswith(("/", "\\")) or "\\" in name or ".." in parts or ":" in name:
+    if name.startswith("/") or "\\" in name or ":" in name or ".." in parts:
         raise ModelFileError(index, f"weight_map entry {name!r} points outside the model directory")
     return name
 

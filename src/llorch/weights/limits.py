@@ -61,14 +61,16 @@ def bounded_text(value: Any, what: str, limit: int, path: Path) -> str:
     return value
 
 
-def require_regular_file(path: Path) -> None:
-    """Refuse devices, FIFOs and sockets before anything reads them: /dev/zero never ends, a FIFO blocks."""
+def require_regular_file(path: Path) -> int:
+    """The file's size; devices, FIFOs and sockets are refused before anything reads them (/dev/zero
+    never ends, a FIFO blocks)."""
     try:
-        mode = path.stat().st_mode
+        info = path.stat()
     except OSError as exc:
         raise ModelFileError(path, f"cannot be read ({exc.strerror})") from exc
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(info.st_mode):
         raise ModelFileError(path, "is not a regular file")
+    return info.st_size
 
 
 def _shown(value: Any) -> str:

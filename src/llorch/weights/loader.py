@@ -92,7 +92,6 @@ def load_model(
     started = time.perf_counter()
     keep_quantized = keep_quantized and device.type == "cpu"
     source = _hf_source(path) if path.is_dir() else _gguf_source(path)
-    check_tokenizer_fits(path, source.tokenizer, source.config)
     release_freed_memory()  # the tokenizer's parse leftovers go before the weights come in
     log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
@@ -117,10 +116,9 @@ def load_model(
                        dtype=dtype, chat_template=source.chat_template, quantized=quantized)
 
 
-def check_tokenizer_fits(path: Path, tokenizer: Tokenizer, config: ModelConfig) -> None:
-    """Every id the tokenizer can produce has an embedding row; otherwise every job would fail later."""
-    ids = tokenizer.backend.get_vocab().values()
-    largest = max(ids, default=-1)
+def check_tokenizer_fits(path: Path, tokenizer: Tokenizer, largest: int, config: ModelConfig) -> None:
+    """Every id the tokenizer can produce (up to `largest`) has an embedding row; otherwise every job
+    would fail later. Checked where a tokenizer is built, not on a warm start from the conversion cache."""
     if largest >= config.vocab_size:
         raise ModelFileError(path, f"the tokenizer produces token id {largest}, but the embedding holds only "
                              f"{config.vocab_size} tokens")
@@ -201,6 +199,8 @@ def _convert_gguf_meta(path: Path, gguf: GGUFFile) -> ConvertedMeta:
     try:  # metadata of the wrong type or shape is a broken file, not a crash
         config = config_from_gguf(gguf)
         tokenizer = tokenizer_from_gguf(gguf.metadata, path)
+        # The ids are the vocabulary's positions: counting it is enough.
+        check_tokenizer_fits(path, tokenizer, len(gguf.metadata["tokenizer.ggml.tokens"]) - 1, config)
     except ModelFileError:
         raise
     except Exception as exc:
@@ -223,6 +223,8 @@ def _hf_source(path: Path) -> ModelSource:
         raise ModelFileError(path / "config.json", f"invalid config ({type(exc).__name__}: {exc})") from exc
     eos = set(config.eos_token_ids) | generation_eos_ids(path)
     tokenizer = tokenizer_from_hf_dir(path, config.bos_token_id, eos)
+    # A tokenizer.json may number its tokens sparsely: only the largest id tells.
+    check_tokenizer_fits(path, tokenizer, max(tokenizer.backend.get_vocab().values(), default=-1), config)
     return ModelSource(
         name=path.name,
         config=config,
@@ -250,10 +252,9 @@ def hf_chat_template(directory: Path) -> str | None:
 
 def read_template_file(file: Path) -> str:
     """A jinja2 chat template file: a regular file of at most MAX_TEMPLATE_CHARS (bytes, to read no more)."""
-    require_regular_file(file)
-    if file.stat().st_size > MAX_TEMPLATE_CHARS:
-        raise ModelFileError(file, f"is {file.stat().st_size} bytes; a chat template may have at most "
-                             f"{MAX_TEMPLATE_CHARS}")
+    size = require_regular_file(file)
+    if size > MAX_TEMPLATE_CHARS:
+        raise ModelFileError(file, f"is {size} bytes; a chat template may have at most {MAX_TEMPLATE_CHARS}")
     try:
         return file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -79,7 +79,8 @@ class TemplateSandbox:
                 self._stop()
                 raise ChatTemplateError("the chat template process died; it restarts on the next request") from exc
             answer = self._read_answer(process, "compile" if arguments is None else "render")
-            self._known.add(digest)
+            if answer.get("compiled"):
+                self._known.add(digest)
             if "error" in answer:
                 raise ChatTemplateError(answer["error"])
             return str(answer["text"])
@@ -169,6 +170,14 @@ def _render(template: Template, arguments: dict[str, Any]) -> str:
 
 def _answer(request: dict[str, Any], env: ImmutableSandboxedEnvironment, compiled: dict[str, Template]
             ) -> dict[str, Any]:
+    """The render's text or error, and whether this child now holds the template (the parent then
+    stops sending its source)."""
+    answer = _render_or_error(request, env, compiled)
+    return {**answer, "compiled": request["digest"] in compiled}
+
+
+def _render_or_error(request: dict[str, Any], env: ImmutableSandboxedEnvironment, compiled: dict[str, Template]
+                     ) -> dict[str, Any]:
     digest = request["digest"]
     try:
         if digest not in compiled:

@@ -212,9 +212,9 @@ def read_json_object(file: Path, required: bool = True) -> dict[str, Any]:
         if required:
             raise ModelFileError(file, "is missing")
         return {}
-    require_regular_file(file)
-    if file.stat().st_size > MAX_JSON_BYTES:
-        raise ModelFileError(file, f"is {file.stat().st_size} bytes; at most {MAX_JSON_BYTES} are read")
+    size = require_regular_file(file)
+    if size > MAX_JSON_BYTES:
+        raise ModelFileError(file, f"is {size} bytes; at most {MAX_JSON_BYTES} are read")
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
