@@ -113,10 +113,7 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     setup_logging(args.log_format, args.log_level)
     process_start = time.perf_counter()
     try:
-        # The backend is checked before anything else: a missing one exits at once.
-        backend = resolve_backend(backend_name, getattr(args, "cuda_device", 0))
-        torch.set_num_threads(args.threads or physical_cores())
-        verify_device(backend.device)
+        backend = open_backend(backend_name, args)
     except StartupError as exc:
         report_failure(program, str(exc))
         return exc.exit_code
@@ -129,6 +126,17 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     finally:
         if state.engine is not None:
             state.engine.stop()
+
+
+def open_backend(backend_name: str, args: argparse.Namespace) -> Backend:
+    """The program's hard-wired backend with its threads set and its device proven, or StartupError.
+
+    Checked before anything else, so a missing backend fails at once (a Ray replica builds its
+    engine through here too)."""
+    backend = resolve_backend(backend_name, getattr(args, "cuda_device", 0))
+    torch.set_num_threads(args.threads or physical_cores())
+    verify_device(backend.device)
+    return backend
 
 
 def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) -> None:
