@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: setup test-setup serve test lint bench bench-concurrency clean
+.PHONY: setup test-setup serve serve-ray test lint bench bench-concurrency clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install --quiet -e ".[test]"
+	touch $@
+
+$(VENV)/.installed-ray: $(VENV)/.installed
+	$(PIP) install --quiet -e ".[ray]"
 	touch $@
 
 $(VENV)/.installed-bench: $(VENV)/.installed-test
@@ -32,6 +36,10 @@ test-setup: $(VENV)/.installed-test
 
 serve: setup
 	$(VENV)/bin/llorch-cpu-worker --port $(PORT) $(ARGS)
+
+# Engines as Ray Serve replicas behind one endpoint: make serve-ray ARGS="--replicas 2 --replica-cpus 1"
+serve-ray: $(VENV)/.installed-ray
+	$(VENV)/bin/llorch-ray-serve --port $(PORT) $(ARGS)
 
 lint: test-setup
 	$(PY) -m ruff check src tests bench

@@ -1,0 +1,185 @@
+"""`llorch-ray-serve`: llorch engines as Ray Serve replicas behind one HTTP endpoint.
+
+    llorch-ray-serve --backend cuda --replicas 4 --ray-address auto --model m.gguf --port 8000
+    llorch-ray-serve --backend cpu --replicas 2 --replica-cpus 1 --port 8000
+
+Every flag of the backend's worker program is accepted and each replica parses them as that
+program does. --host/--port place Ray's HTTP proxy. Without --ray-address a local Ray cluster is
+started for this process and stopped with it. SIGTERM/SIGINT remove the application (Ray lets
+running requests finish for --drain-timeout) and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from llorch.device import physical_cores
+from llorch.logs import setup_logging
+from llorch.workers import build_parser, positive_int
+
+log = logging.getLogger("llorch.replicas")
+
+PROGRAM = "llorch-ray-serve"
+APPLICATION = "llorch"
+ENGINE_DEPLOYMENT = "llorch-engine"
+FRONT_DEPLOYMENT = "llorch-front"
+CONTROL_HEADROOM = 16  # requests beyond the engine's own capacity a replica takes: /health, /metrics, /cancel
+ROUTER = "llorch.replicas.router:PrefixAffinityRouter"  # imported where each handle routes
+NOT_FOR_REPLICAS = ("callback_url", "worker_id")  # the ready callback is the single worker's contract
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    backend: str
+    replicas: int
+    replica_cpus: float
+    replica_gpus: float
+    worker_argv: tuple[str, ...]
+    max_ongoing: int  # requests Ray sends one replica at once
+    front_max_ongoing: int
+    drain_timeout: float
+    imbalance: int
+    ray_address: str | None  # None: a local cluster for this process
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM, description="llorch engines as Ray Serve replicas, one device each, behind one endpoint",
+        epilog="Every flag of llorch-cpu-worker / llorch-cuda-worker is accepted too and given to each replica.")
+    parser.add_argument("--backend", choices=("cpu", "cuda"), default="cpu", help="each replica's backend")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="engine replicas (default 1)")
+    parser.add_argument("--replica-cpus", type=float, default=None,
+                        help="CPUs Ray reserves per replica; a CPU replica runs this many threads unless "
+                             "--threads says otherwise (default: cpu, the cores divided among the replicas; cuda, 1)")
+    parser.add_argument("--replica-gpus", type=float, default=1.0, help="GPUs per cuda replica (default 1)")
+    parser.add_argument("--ray-address", default=None,
+                        help="a running Ray cluster ('auto' or host:port); default: start a local one")
+    parser.add_argument("--router-imbalance", type=int, default=4,
+                        help="requests in flight by which the replica holding a prompt's prefix may exceed the "
+                             "least loaded before the least loaded is chosen instead (default 4)")
+    return parser
+
+
+def parse_options(argv: list[str] | None = None) -> tuple[ClusterOptions, argparse.Namespace]:
+    """The launcher's options and the worker flags, each checked as the worker program checks them."""
+    own, worker_argv = launcher_parser().parse_known_args(argv)
+    program = f"llorch-{own.backend}-worker"
+    worker = build_parser(program, own.backend).parse_args(worker_argv)
+    for name in NOT_FOR_REPLICAS:
+        if getattr(worker, name) is not None:
+            raise SystemExit(f"{PROGRAM}: error: --{name.replace('_', '-')} is for a single worker; "
+                             "Ray Serve replicas have no ready callback")
+    cpus = own.replica_cpus if own.replica_cpus is not None else (
+        max(1, physical_cores() // own.replicas) if own.backend == "cpu" else 1)
+    if own.backend == "cpu" and worker.threads is None:
+        worker_argv = [*worker_argv, "--threads", str(max(1, int(cpus)))]
+    options = ClusterOptions(
+        backend=own.backend, replicas=own.replicas, replica_cpus=cpus,
+        replica_gpus=own.replica_gpus if own.backend == "cuda" else 0.0, worker_argv=tuple(worker_argv),
+        max_ongoing=worker.max_running + worker.max_queue + CONTROL_HEADROOM,
+        front_max_ongoing=worker.max_connections, drain_timeout=worker.drain_timeout, imbalance=own.router_imbalance,
+        ray_address=own.ray_address)
+    return options, worker
+
+
+def build_application(options: ClusterOptions):  # -> ray.serve.Application
+    """The front bound to the engine deployment, ready for `serve.run`."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from llorch.replicas.engine_replica import EngineReplica
+    from llorch.replicas.front import Front
+
+    resources = {"num_cpus": options.replica_cpus}
+    if options.replica_gpus:
+        resources["num_gpus"] = options.replica_gpus
+    engine = serve.deployment(
+        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=options.replicas, ray_actor_options=resources,
+        max_ongoing_requests=options.max_ongoing, graceful_shutdown_timeout_s=options.drain_timeout,
+        health_check_period_s=2, max_constructor_retry_count=options.replicas,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER,
+                                                  request_router_kwargs={"imbalance": options.imbalance}))
+    front = serve.deployment(Front, name=FRONT_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=options.front_max_ongoing)
+    return front.bind(engine.bind(options.backend, list(options.worker_argv)), ENGINE_DEPLOYMENT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options, worker = parse_options(argv)
+    setup_logging(worker.log_format, worker.log_level)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # at any point, stop through the `finally` below
+        signal.signal(signum, _interrupt)
+    try:
+        return _serve(options, worker)
+    except KeyboardInterrupt:
+        log.info("stopped")
+        return 0
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    for other in (signal.SIGTERM, signal.SIGINT):  # the first signal stops; the cleanup is not interrupted
+        signal.signal(other, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _serve(options: ClusterOptions, worker: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    address = options.ray_address
+    ray.init(address=address, include_dashboard=False if address is None else None,
+             logging_level=logging.WARNING, log_to_driver=True)
+    try:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if options.replica_gpus and gpus < options.replicas * options.replica_gpus:
+            print(f"{PROGRAM}: error: cuda backend unavailable: the Ray cluster has {gpus:g} GPU(s); "
+                  f"{options.replicas} replica(s) of {options.replica_gpus:g} need "
+                  f"{options.replicas * options.replica_gpus:g}", file=sys.stderr)
+            return 2
+        serve.start(http_options={"host": worker.host, "port": worker.port})
+        try:
+            serve.run(build_application(options), name=APPLICATION, route_prefix="/")
+        except RuntimeError as exc:
+            print(f"{PROGRAM}: error: {_startup_reason(exc, _deployment_message(serve))}", file=sys.stderr)
+            return 1
+        log.info("serving", extra={"uri": f"http://{worker.host}:{worker.port}", "replicas": options.replicas,
+                                   "backend": options.backend, "local_cluster": address is None})
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            log.info("stopping")
+        serve.delete(APPLICATION)
+        return 0
+    finally:
+        if address is None:
+            serve.shutdown()
+        ray.shutdown()
+
+
+def _deployment_message(serve: Any) -> str:
+    """What Ray Serve says of the engine deployment (a failed replica's exception, when one failed)."""
+    try:
+        application = serve.status().applications[APPLICATION]
+        return application.deployments[ENGINE_DEPLOYMENT].message
+    except (KeyError, AttributeError, RuntimeError):
+        return ""
+
+
+def _startup_reason(exc: BaseException, deployment_message: str) -> str:
+    """The replica's own one-line failure when Ray reports it, else Ray's first line."""
+    for line in f"{deployment_message}\n{exc}".splitlines():
+        if "llorch-" in line and ": error: " in line:
+            return line[line.index("llorch-"):].strip()
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def cli() -> None:
+    sys.exit(main())
