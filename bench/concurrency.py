@@ -191,10 +191,16 @@ def main() -> None:
                                             lambda r: r.status_code == 200, llama_job, args,
                                             env=llama_build.library_environment())
     report(results)
+    save(results, "concurrency")
+
+
+def save(results: dict[str, object], stem: str) -> Path:
+    """Write the run's results as bench/results/<stem>-<time>.json."""
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"concurrency-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = RESULTS / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+    return out
 
 
 def report(results: dict[str, object]) -> None:

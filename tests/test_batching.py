@@ -255,7 +255,8 @@ def tiny_client(loaded: LoadedModel, kv_blocks: int, **config: int) -> tuple[Tes
 
 
 def test_a_full_queue_answers_503_with_retry_after_on_both_apis(tiny: LoadedModel) -> None:
-    client, engine = tiny_client(tiny, kv_blocks=64, max_queue=1)
+    client, engine = tiny_client(tiny, kv_blocks=64, max_running=1, max_queue=1)
+    run(engine, "slotted", "the a of", 4)  # takes the one free slot (it is admitted when the loop runs)
     run(engine, "waiting", "the a of", 4)
     response = client.post("/execute", json={"job_id": "one-too-many", "prompt": "the", "max_tokens": 4})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
@@ -264,7 +265,17 @@ def test_a_full_queue_answers_503_with_retry_after_on_both_apis(tiny: LoadedMode
     response = client.post("/v1/completions", json={"model": tiny.model_id, "prompt": "the", "max_tokens": 4})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "server_busy"
-    assert engine.stats().jobs_in_flight == 1  # only the job that was already waiting
+    assert engine.stats().jobs_in_flight == 2  # only the jobs already accepted
+
+
+def test_a_burst_faster_than_admission_fills_the_free_slots_before_the_queue(tiny: LoadedModel) -> None:
+    """Jobs that arrive before the loop admits any of them are not refused while slots are free."""
+    _, engine = tiny_client(tiny, kv_blocks=64, max_running=4, max_queue=1)
+    for i in range(5):  # 4 free slots and 1 place in the queue
+        run(engine, f"burst-{i}", "the a of", 4)
+    with pytest.raises(QueueFull):
+        run(engine, "one-too-many", "the a of", 4)
+    assert engine.stats().jobs_in_flight == 5
 
 
 def test_a_job_larger_than_the_whole_kv_pool_is_refused_with_400(tiny: LoadedModel) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -120,6 +121,14 @@ def test_greedy_output_equals_one_plain_worker(cluster: Server, single: Worker) 
         assert ours.status_code == theirs.status_code == 200
         assert ours.json()["choices"][0]["text"] == theirs.json()["choices"][0]["text"]
         assert ours.json()["usage"] == theirs.json()["usage"]
+    # The official client, streaming a chat through the front, reads what the plain worker says.
+    chats = []
+    for url in (cluster.base_url, single.base_url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the a"}],
+                                                max_tokens=16, temperature=0, stream=True)
+        chats.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    assert chats[0] == chats[1]
     body = {"job_id": "parity", "prompt": "the a of", "max_tokens": 12, "temperature": 0}
     streams = [httpx.post(f"{url}/execute", json=body, timeout=60).text for url in (cluster.base_url, single.base_url)]
     tokens = [[json.loads(line[6:])["t"] for line in s.splitlines() if line.startswith("data: ") and '"token"' in line]

@@ -139,8 +139,12 @@ class Engine:
         with self._jobs_lock:
             if request.job_id in self._jobs:
                 raise DuplicateJob(request.job_id)
-            if self._queued >= self.config.max_queue:
-                raise QueueFull(f"{self._queued} jobs are already waiting (--max-queue {self.config.max_queue})")
+            # Jobs not yet admitted take the free slots first: only those beyond them wait. (Counting
+            # every unadmitted job refused bursts that arrive faster than the loop admits them.)
+            free_slots = max(0, self.config.max_running - (len(self._jobs) - self._queued))
+            waiting = max(0, self._queued - free_slots)
+            if waiting >= self.config.max_queue:
+                raise QueueFull(f"{waiting} jobs are already waiting (--max-queue {self.config.max_queue})")
             self._queued += 1
             self._arrivals += 1
             seq = Sequence(job, emit, output, seed, self._arrivals, self.runner.kv.block_size)

@@ -144,7 +144,10 @@ def _serve(options: ClusterOptions, worker: argparse.Namespace) -> int:
             return 2
         serve.start(http_options={"host": worker.host, "port": worker.port})
         try:
-            serve.run(build_application(options), name=APPLICATION, route_prefix="/")
+            # Ray Serve's access log is a line per request per hop, shipped to this process: the
+            # worker's own logs say what happened to each job.
+            serve.run(build_application(options), name=APPLICATION, route_prefix="/",
+                      logging_config={"enable_access_log": False})
         except RuntimeError as exc:
             print(f"{PROGRAM}: error: {_startup_reason(exc, _deployment_message(serve))}", file=sys.stderr)
             return 1
