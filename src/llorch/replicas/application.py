@@ -133,7 +133,9 @@ def _serve(options: ClusterOptions, worker: argparse.Namespace) -> int:
     from ray import serve
 
     address = options.ray_address
-    ray.init(address=address, include_dashboard=False if address is None else None,
+    # "local" starts a cluster of this command's own even where another runs on this machine
+    # (with no address Ray would join that one, and replace its application).
+    ray.init(address=address or "local", include_dashboard=False if address is None else None,
              logging_level=logging.WARNING, log_to_driver=True)
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
