@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import socket
 import sys
 import threading
@@ -34,6 +35,8 @@ import httpx
 
 from launch import start_worker, stop
 from llorch.api.connections import HEADER_TIMEOUT_S
+
+REPLICA_LABEL = re.compile(r'\{replica="[^"]*",?')  # the label the Ray Serve front adds
 
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -89,12 +92,13 @@ def rss_mb(pid: int, field: str = "VmRSS") -> float:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The worker's Prometheus samples, by name with labels."""
-    samples = {}
+    """The worker's Prometheus samples, by name with labels (llorch-ray-serve's replicas summed)."""
+    samples: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+            name = REPLICA_LABEL.sub("{", name).replace("{}", "")
+            samples[name] = samples.get(name, 0.0) + float(value)
     return samples
 
 
