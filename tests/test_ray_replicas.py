@@ -178,7 +178,8 @@ def test_cancel_reaches_the_replica_holding_the_job(cluster: Server) -> None:
     reader = threading.Thread(target=read)
     reader.start()
     assert started.wait(30)
-    # Sent many times over, a /cancel still reaches only the replica that holds the job.
+    twin = httpx.post(f"{cluster.base_url}/execute", json=body, timeout=30)  # unique across the cluster too
+    assert twin.status_code == 409 and twin.json()["errors"][0]["field"] == "job_id"
     assert httpx.post(f"{cluster.base_url}/cancel", json={"job_id": "to-cancel"}).status_code == 202
     reader.join(60)
     terminal = [e for e in events if e["type"] in ("end", "error")]

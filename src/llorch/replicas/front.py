@@ -72,10 +72,25 @@ class Front:
             routing_text=routing_text(path, parsed))
         if path == "/cancel" and isinstance(parsed, dict) and isinstance(parsed.get("job_id"), str):
             holder = self.jobs.get(parsed["job_id"])
-            if holder is not None:
+            if holder:  # "" while the job is still being placed: any replica answers
                 call = replace(call, pin=holder)
         job_id = parsed.get("job_id") if path == "/execute" and isinstance(parsed, dict) else None
-        return await self.relay(call, job_id if isinstance(job_id, str) else None)
+        if not isinstance(job_id, str):
+            return await self.relay(call, None)
+        # job_id is unique among the cluster's jobs in flight, as it is in one worker: reserved here
+        # before any replica sees it, held while its stream lasts.
+        if job_id in self.jobs:
+            return worker_error(409, "job_id", "unique among jobs in flight",
+                                f"job {job_id[:200]} is already queued or running")
+        self.jobs[job_id] = ""
+        try:
+            response = await self.relay(call, job_id)
+        except BaseException:
+            self.jobs.pop(job_id, None)
+            raise
+        if not isinstance(response, StreamingResponse):  # refused: the stream never began
+            self.jobs.pop(job_id, None)
+        return response
 
     # -- relaying ------------------------------------------------------------------------------
     async def relay(self, call: RelayedRequest, job_id: str | None) -> Response:
@@ -99,8 +114,8 @@ class Front:
                     self.retries.labels(reason="busy").inc()
                     continue
                 return Response(rest, start.status, headers=_headers(start))
-            if job_id is not None and start.status == 200:
-                self.jobs[job_id] = start.replica
+            if job_id is not None:
+                self.jobs[job_id] = start.replica  # until its stream ends (_body)
             return StreamingResponse(self._body(call.path, start, stream, job_id), start.status,
                                      headers=_headers(start))
 
@@ -131,8 +146,8 @@ class Front:
             log.warning("a replica died while streaming", extra={"replica": start.replica, "path": path})
             yield lost_stream_ending(path, start.header("content-type") or "")
         finally:
-            if job_id is not None and self.jobs.get(job_id) == start.replica:
-                del self.jobs[job_id]
+            if job_id is not None:
+                self.jobs.pop(job_id, None)
             if not finished:  # the client went away: the replica cancels the job
                 stream.cancel()
 
