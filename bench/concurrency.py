@@ -194,13 +194,12 @@ def main() -> None:
     save(results, "concurrency")
 
 
-def save(results: dict[str, object], stem: str) -> Path:
+def save(results: dict[str, object], stem: str) -> None:
     """Write the run's results as bench/results/<stem>-<time>.json."""
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
-    return out
 
 
 def report(results: dict[str, object]) -> None:

@@ -102,9 +102,13 @@ def advertised_host(host: str) -> str:
     return socket.gethostname() if host in ("0.0.0.0", "::") else host
 
 
-def report_failure(program: str, message: str) -> None:
+def failure_line(program: str, message: str) -> str:
     """The one line an expected start-up failure prints (no traceback)."""
-    print(f"{program}: error: {message}", file=sys.stderr)
+    return f"{program}: error: {message}"
+
+
+def report_failure(program: str, message: str) -> None:
+    print(failure_line(program, message), file=sys.stderr)
 
 
 def run_worker(backend_name: str, argv: list[str] | None = None) -> int:

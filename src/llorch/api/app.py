@@ -102,16 +102,7 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "status": state.status,
-            "vram_bytes": state.engine.resident_bytes if state.engine else 0,
-            "backend": state.backend,
-            "device": state.device,
-            "model": state.model,
-        }
-        if state.engine is None:
-            body["progress"] = round(state.loading_progress, 3)
-        return body
+        return state.health()
 
     @app.get("/metrics", response_class=Response, responses={
         200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})

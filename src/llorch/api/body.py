@@ -51,6 +51,20 @@ def openapi_json_body(model: type) -> dict[str, Any]:
 
 
 async def read_json(request: Request) -> Any:
+    body = await read_body(request)
+    try:
+        return parse_json(body)
+    except RecursionError as exc:
+        raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
+                                "message": "request body is not valid JSON here: it is nested too deeply"}]) from exc
+    except (ValueError, UnicodeError) as exc:  # JSONDecodeError, 4300+ digit integers, lone surrogates
+        reason = "it has an unpaired surrogate" if isinstance(exc, UnicodeError) else str(exc)[:200]
+        raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
+                                "message": f"request body is not valid JSON: {reason}"}]) from exc
+
+
+async def read_body(request: Request) -> bytes:
+    """The body's bytes, or BadRequest 413 past MAX_BODY_BYTES (declared or sent)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise BadRequest(413, [{"field": "body", "constraint": f"<= {MAX_BODY_BYTES} bytes",
@@ -61,12 +75,4 @@ async def read_json(request: Request) -> Any:
         if len(body) > MAX_BODY_BYTES:
             raise BadRequest(413, [{"field": "body", "constraint": f"<= {MAX_BODY_BYTES} bytes",
                                     "message": "request body is too large"}])
-    try:
-        return parse_json(body)
-    except RecursionError as exc:
-        raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
-                                "message": "request body is not valid JSON here: it is nested too deeply"}]) from exc
-    except (ValueError, UnicodeError) as exc:  # JSONDecodeError, 4300+ digit integers, lone surrogates
-        reason = "it has an unpaired surrogate" if isinstance(exc, UnicodeError) else str(exc)[:200]
-        raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
-                                "message": f"request body is not valid JSON: {reason}"}]) from exc
+    return body

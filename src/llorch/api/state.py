@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llorch.engine.engine import Engine
 from llorch.engine.telemetry import Telemetry
@@ -32,6 +33,14 @@ class WorkerState:
         if self.engine is None:
             return "loading"
         return "healthy" if self.engine.alive else "unhealthy"
+
+    def health(self) -> dict[str, Any]:
+        """The /health body of the contract (DESIGN.md)."""
+        body: dict[str, Any] = {"status": self.status, "vram_bytes": self.engine.resident_bytes if self.engine else 0,
+                                "backend": self.backend, "device": self.device, "model": self.model}
+        if self.engine is None:
+            body["progress"] = round(self.loading_progress, 3)
+        return body
 
     def unavailable(self) -> str | None:
         """Why jobs cannot be taken now, or None when they can."""

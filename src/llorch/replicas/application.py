@@ -21,7 +21,7 @@ from typing import Any
 
 from llorch.device import physical_cores
 from llorch.logs import setup_logging
-from llorch.workers import build_parser, positive_int
+from llorch.workers import build_parser, failure_line, positive_int, report_failure
 
 log = logging.getLogger("llorch.replicas")
 
@@ -73,8 +73,8 @@ def parse_options(argv: list[str] | None = None) -> tuple[ClusterOptions, argpar
     worker = build_parser(program, own.backend).parse_args(worker_argv)
     for name in NOT_FOR_REPLICAS:
         if getattr(worker, name) is not None:
-            raise SystemExit(f"{PROGRAM}: error: --{name.replace('_', '-')} is for a single worker; "
-                             "Ray Serve replicas have no ready callback")
+            raise SystemExit(failure_line(PROGRAM, f"--{name.replace('_', '-')} is for a single worker; "
+                                               "Ray Serve replicas have no ready callback"))
     cpus = own.replica_cpus if own.replica_cpus is not None else (
         max(1, physical_cores() // own.replicas) if own.backend == "cpu" else 1)
     if own.backend == "cpu" and worker.threads is None:
@@ -140,9 +140,9 @@ def _serve(options: ClusterOptions, worker: argparse.Namespace) -> int:
     try:
         gpus = ray.cluster_resources().get("GPU", 0)
         if options.replica_gpus and gpus < options.replicas * options.replica_gpus:
-            print(f"{PROGRAM}: error: cuda backend unavailable: the Ray cluster has {gpus:g} GPU(s); "
-                  f"{options.replicas} replica(s) of {options.replica_gpus:g} need "
-                  f"{options.replicas * options.replica_gpus:g}", file=sys.stderr)
+            report_failure(PROGRAM, f"cuda backend unavailable: the Ray cluster has {gpus:g} GPU(s); "
+                                    f"{options.replicas} replica(s) of {options.replica_gpus:g} need "
+                                    f"{options.replicas * options.replica_gpus:g}")
             return 2
         serve.start(http_options={"host": worker.host, "port": worker.port})
         try:
@@ -151,7 +151,7 @@ def _serve(options: ClusterOptions, worker: argparse.Namespace) -> int:
             serve.run(build_application(options), name=APPLICATION, route_prefix="/",
                       logging_config={"enable_access_log": False})
         except RuntimeError as exc:
-            print(f"{PROGRAM}: error: {_startup_reason(exc, _deployment_message(serve))}", file=sys.stderr)
+            report_failure(PROGRAM, _startup_reason(exc, _deployment_message(serve)))
             return 1
         log.info("serving", extra={"uri": f"http://{worker.host}:{worker.port}", "replicas": options.replicas,
                                    "backend": options.backend, "local_cluster": address is None})

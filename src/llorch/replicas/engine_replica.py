@@ -23,7 +23,7 @@ from llorch.api.state import WorkerState
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
 from llorch.replicas.relay import RelayedRequest, RelayedStart, answer_in_process
-from llorch.workers import build_parser, load_engine, open_backend
+from llorch.workers import build_parser, failure_line, load_engine, open_backend
 
 log = logging.getLogger("llorch.replicas")
 
@@ -43,7 +43,7 @@ class EngineReplica:
             self.state = WorkerState(backend=backend.name, device=str(backend.device))
             load_engine(args, backend, self.state)
         except StartupError as exc:
-            message = f"{program}: error: {exc}"
+            message = failure_line(program, str(exc))
             log.error(message)
             raise ReplicaStartFailed(message) from None
         self.app = RequestLimit(create_app(self.state, args.api_key), args.max_connections)
@@ -55,10 +55,8 @@ class EngineReplica:
 
     def health(self, _routing: RelayedRequest | None = None) -> dict[str, Any]:
         engine = self.state.engine
-        return {"replica": self.replica, "status": self.state.status, "pid": os.getpid(),
-                "node": ray.util.get_node_ip_address(), "backend": self.state.backend, "device": self.state.device,
-                "model": self.state.model, "vram_bytes": engine.resident_bytes if engine else 0,
-                "jobs_in_flight": engine.jobs_in_flight if engine else 0}
+        return {**self.state.health(), "replica": self.replica, "pid": os.getpid(),
+                "node": ray.util.get_node_ip_address(), "jobs_in_flight": engine.jobs_in_flight if engine else 0}
 
     def metrics(self, _routing: RelayedRequest | None = None) -> dict[str, str]:
         return {"replica": self.replica, "text": generate_latest(self.state.telemetry.registry).decode()}

@@ -23,8 +23,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from llorch.api.body import MAX_BODY_BYTES
-from llorch.api.errors import RETRY, OpenAIError, speaks_openai, worker_error
+from llorch.api.body import BadRequest, read_body
+from llorch.api.errors import RETRY, OpenAIError, speaks_openai, worker_error, worker_errors
 from llorch.api.streaming import NDJSON, SSE, frame, sse
 from llorch.replicas.directory import known_replicas
 from llorch.replicas.relay import RelayedRequest, RelayedStart, lenient_json, routing_text
@@ -59,11 +59,12 @@ class Front:
             return JSONResponse(await self.health())
         if request.method == "GET" and path == "/metrics":
             return Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                return too_large(path)
+        try:
+            body = await read_body(request)
+        except BadRequest as exc:  # too large: refused here, in the worker's words and its API's shape
+            if speaks_openai(path):
+                return OpenAIError(exc.status, exc.errors[0]["message"], param="body").response()
+            return worker_errors(exc.status, exc.errors)
         parsed = lenient_json(body) if body else None
         call = RelayedRequest(
             method=request.method, path=path, query=request.url.query.encode(), body=body,
@@ -213,13 +214,6 @@ def unavailable(path: str, message: str) -> Response:
     if speaks_openai(path):
         return OpenAIError(503, message, kind="server_error", code="unavailable", headers=RETRY).response()
     return worker_error(503, "worker", "a replica to answer", message, RETRY)
-
-
-def too_large(path: str) -> Response:
-    message = f"request body is larger than {MAX_BODY_BYTES} bytes"
-    if speaks_openai(path):
-        return OpenAIError(413, message, param="body").response()
-    return worker_error(413, "body", f"<= {MAX_BODY_BYTES} bytes", message)
 
 
 def merge_expositions(answers: list[dict[str, str]]) -> bytes:
