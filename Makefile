@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e .
 	touch $@
 
+# The chat page is tested in a real browser: Debian's Chromium, installed when missing and we may.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install --quiet -e ".[test]"
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }; }
 	touch $@
 
 $(VENV)/.installed-ray: $(VENV)/.installed

@@ -21,20 +21,24 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llorch.api import anthropic, ollama, openai, responses
+from llorch.api.anthropic import create_anthropic_router
 from llorch.api.auth import install_bearer_auth
-from llorch.api.body import BadRequest, openapi_json_body, read_json
+from llorch.api.body import BadRequest, openapi_components, openapi_json_body, read_json
 from llorch.api.errors import (
     RETRY,
     WORKER_ERROR_SCHEMA,
-    OpenAIError,
+    error_for_path,
     error_responses,
-    speaks_openai,
     worker_error,
     worker_errors,
     worker_refusal,
 )
 from llorch.api.jobs import JobStream
-from llorch.api.openai import create_openai_router, openapi_components
+from llorch.api.ollama import create_ollama_router
+from llorch.api.openai import create_openai_router
+from llorch.api.page import create_page_router
+from llorch.api.responses import create_responses_router
 from llorch.api.schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.api.state import WorkerState
 from llorch.api.streaming import NDJSON, SSE, frame, negotiate
@@ -65,9 +69,14 @@ _CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="llorch worker", version="0.1.0")
+    # No /docs or /redoc: their pages load scripts from a CDN, which a machine without internet cannot reach.
+    app = FastAPI(title="llorch worker", version="0.1.0", docs_url=None, redoc_url=None)
+    app.include_router(create_anthropic_router(state))  # before the OpenAI router: both live under /v1
+    app.include_router(create_responses_router(state))
     app.include_router(create_openai_router(state))
     app.include_router(create_tokenizer_router(state))
+    app.include_router(create_ollama_router(state))
+    app.include_router(create_page_router())
     if api_key:
         install_bearer_auth(app, api_key)
 
@@ -91,10 +100,9 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
     async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Unknown routes and methods answer in the API's own error shape, not the framework's."""
         message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-        if speaks_openai(request.url.path):
-            return OpenAIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None,
-                               headers=exc.headers).response()
-        return worker_error(exc.status_code, "path", "a route of this API", message, exc.headers)
+        return error_for_path(request.url.path, exc.status_code, message,
+                              code="not_found" if exc.status_code == 404 else None, field="path",
+                              constraint="a route of this API", headers=exc.headers)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, exc: BadRequest) -> JSONResponse:
@@ -154,7 +162,9 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+            documented = (openai.OPENAPI_MODELS + anthropic.OPENAPI_MODELS + responses.OPENAPI_MODELS
+                          + ollama.OPENAPI_MODELS)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components(documented))
             app.openapi_schema = schema
         return app.openapi_schema
 

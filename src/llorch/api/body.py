@@ -50,6 +50,22 @@ def openapi_json_body(model: type) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
+def request_body(model: type) -> dict[str, Any]:
+    """OpenAPI requestBody referring to `model`'s schema among the app's components (see openapi_components)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def openapi_components(models: tuple[type, ...]) -> dict[str, Any]:
+    """JSON schemas of request bodies (pydantic models) and everything they refer to, for the OpenAPI document."""
+    components: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components[model.__name__] = schema
+    return components
+
+
 async def read_json(request: Request) -> Any:
     body = await read_body(request)
     try:

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llorch.api.auth import OPEN_PATHS
-from llorch.api.errors import RETRY, OpenAIError, speaks_openai, worker_error
+from llorch.api.errors import RETRY, error_for_path
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0  # a 1 MiB body at 35 KB/s
@@ -125,6 +125,5 @@ class RequestLimit:
     def _busy(self, path: str) -> Any:
         message = (f"the worker is answering {self.max_requests} requests already (--max-connections); "
                    "retry shortly")
-        if speaks_openai(path):
-            return OpenAIError(503, message, kind="server_error", code="server_busy", headers=RETRY).response()
-        return worker_error(503, "worker", f"at most {self.max_requests} requests at once", message, RETRY)
+        return error_for_path(path, 503, message, code="server_busy", field="worker",
+                              constraint=f"at most {self.max_requests} requests at once", headers=RETRY)

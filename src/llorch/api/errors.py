@@ -1,7 +1,12 @@
-"""Error responses: one body builder per API shape, and one mapping from engine refusals to each.
+"""Error responses: one body builder per API family, and one mapping from engine refusals to each.
 
 - worker API: `{"errors": [{"field", "constraint", "message", "value"?}, ...]}`;
-- OpenAI API: `{"error": {"message", "type", "param", "code"}}`.
+- OpenAI API (`/v1/*` and the tokenizer routes): `{"error": {"message", "type", "param", "code"}}`;
+- Anthropic Messages (`/v1/messages*`): `{"type": "error", "error": {"type", "message"}}`;
+- Ollama (`/api/*`): `{"error": "message"}`.
+
+Every route answers in its family's shape, errors raised before a handler runs (auth, an
+unknown route, a busy server) included: `error_for_path` picks the shape from the path.
 """
 
 from __future__ import annotations
@@ -19,9 +24,43 @@ RETRY_AFTER_S = "1"  # a busy, loading or draining worker: try again (or another
 RETRY = {"Retry-After": RETRY_AFTER_S}
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
+
+
+def family_of(path: str) -> str:
+    """The API family whose error shape `path` answers in: "anthropic", "ollama", "openai" or "worker"."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return "anthropic"
+    if path.startswith(OLLAMA_PREFIX):
+        return "ollama"
+    if path.startswith("/v1/") or path in OPENAI_SHAPED_PATHS:
+        return "openai"
+    return "worker"
+
+
 def speaks_openai(path: str) -> bool:
-    """Whether errors on `path` take OpenAI's shape (else the worker API's)."""
-    return path.startswith("/v1/") or path in OPENAI_SHAPED_PATHS
+    """Whether errors on `path` take OpenAI's shape."""
+    return family_of(path) == "openai"
+
+
+def error_for_path(path: str, status: int, message: str, *, code: str | None = None, kind: str | None = None,
+                   field: str = "request", constraint: str = "valid", headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    """An error answer in the shape of `path`'s API family.
+
+    `code` and `kind` are OpenAI's (`kind` defaults by status); `field` and `constraint` the worker API's.
+    """
+    family = family_of(path)
+    if family == "anthropic":
+        return AnthropicError(status, message, headers=headers).response()
+    if family == "ollama":
+        return JSONResponse({"error": message}, status, headers=headers)
+    if family == "openai":
+        default_kind = "server_error" if status >= 500 else ("authentication_error" if status == 401
+                                                              else "invalid_request_error")
+        return OpenAIError(status, message, code=code, kind=kind or default_kind, headers=headers).response()
+    return worker_error(status, field, constraint, message, headers)
 
 
 def worker_error(status: int, field: str, constraint: str, message: str,
@@ -70,6 +109,28 @@ def openai_refusal(exc: EngineRefusal) -> OpenAIError:
     if isinstance(exc, DuplicateJob):  # request ids are random: a collision is the server's fault
         return OpenAIError(500, "job id collision", kind="server_error")
     raise TypeError(f"unmapped refusal {type(exc).__name__}")
+
+
+# Anthropic's error types by HTTP status (its documented mapping; 503 stands in for its 529 "overloaded").
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                         413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
+class AnthropicError(Exception):
+    """An error answer in Anthropic's shape, raised from a handler and turned into its response."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+        self.kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.kind, "message": self.message}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
 def openai_job_error(event: Error) -> OpenAIError:

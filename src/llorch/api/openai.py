@@ -1,5 +1,7 @@
 """The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
 
+OPENAPI_MODELS: the request bodies it documents in the app's OpenAPI schema.
+
 Each prompt of a request goes through the engine's front door once (chat messages are
 rendered there); each of its n choices is one engine job, submitted through the same
 JobStream as the worker API: one generation path, two wire formats. Choice i*n + j is
@@ -10,7 +12,6 @@ prompt's, scored by the engine as it reads the prompt.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from llorch.api.body import BadRequest, read_json
+from llorch.api.body import BadRequest, read_json, request_body
 from llorch.api.errors import (
     OPENAI_ERROR_SCHEMA,
     OpenAIError,
@@ -32,16 +33,21 @@ from llorch.api.errors import (
     openai_job_error,
     openai_refusal,
 )
+from llorch.api.generation import (
+    CLIENT_CLOSED_REQUEST,
+    merged,
+    prepare_all,
+    tool_constraint,
+    unless_disconnected,
+)
 from llorch.api.jobs import JobStream
-from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from llorch.api.state import WorkerState
 from llorch.api.streaming import sse
-from llorch.api.tool_calls import ToolCallParser, ToolFormat, format_for
-from llorch.api.tool_calls import grammar as tool_grammar
+from llorch.api.tool_calls import ToolCallParser, ToolFormat
 from llorch.engine.engine import Engine
-from llorch.engine.errors import EngineRefusal, RequestRejected
+from llorch.engine.errors import EngineRefusal
 from llorch.engine.request import (
-    Constraint,
     End,
     Error,
     Event,
@@ -52,7 +58,6 @@ from llorch.engine.request import (
     TokenText,
 )
 
-CLIENT_CLOSED_REQUEST = 499  # logged only: the client is gone
 log = logging.getLogger("llorch.api")
 NAMED_MESSAGE = re.compile(r"([a-z_]+(?:\.[0-9a-z_]+)*): ")
 FINISH_REASONS = {"MAX_TOKENS": "length", "EOS": "stop", "STOP_SEQUENCE": "stop"}
@@ -114,19 +119,7 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def request_body(model: type[OpenAIRequest]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-def openapi_components() -> dict[str, Any]:
-    """JSON schemas of the OpenAI request bodies, for the app's OpenAPI document."""
-    components: dict[str, Any] = {}
-    for model in (CompletionRequest, ChatCompletionRequest):
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(schema.pop("$defs", {}))
-        components[model.__name__] = schema
-    return components
+OPENAPI_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
 
 
 def ready(state: WorkerState) -> Engine:
@@ -237,31 +230,6 @@ def create_openai_router(state: WorkerState) -> APIRouter:
     return router
 
 
-def tool_constraint(engine: Engine, tools: list[dict[str, Any]], mode: str, parallel: bool
-                    ) -> tuple[ToolFormat, Constraint]:
-    """The template's tool-call format and the grammar that keeps the model's turn to it."""
-    template = engine.chat_template
-    fmt = format_for(template.source if template else None, bool(template and template.reads_tools))
-    tokenizer = engine.front.tokenizer
-    marker_id = tokenizer.backend.token_to_id(fmt.marker) if fmt.marker else None
-    special = {fmt.marker: marker_id} if marker_id is not None and marker_id in tokenizer.special_ids else {}
-    return fmt, Constraint("lark", tool_grammar(fmt, tools, mode, parallel, special), "tools")
-
-
-def prepare_all(engine: Engine, requests: list[GenerationRequest]) -> list[PreparedJob]:
-    """Each prompt through the front door; a refusal of one of several names its index."""
-    prepared = []
-    for index, request in enumerate(requests):
-        try:
-            prepared.append(engine.prepare(request))
-        except RequestRejected as exc:
-            if len(requests) > 1 and exc.field == "prompt":
-                raise RequestRejected(f"prompt.{index}", exc.constraint, f"prompt {index}: {exc.message}",
-                                      exc.code) from exc
-            raise
-    return prepared
-
-
 def echo_start(engine: Engine, job: PreparedJob) -> tuple[str, list[LogprobEntry]]:
     """What an echoed choice starts with: the prompt's text, and its unscored first token when it is scored."""
     tokenizer = engine.front.tokenizer
@@ -319,33 +287,6 @@ async def collect(streams: list[JobStream], choices: list[Choice]) -> None:
         absorb(choices[index], event)
 
 
-async def unless_disconnected(http: Request, work: asyncio.Future[None]) -> bool:
-    """Await `work`, unless the client goes away first: then cancel it (ending its jobs) and say False.
-
-    A streaming response notices a gone client when a write fails; a request that answers
-    once at the end writes nothing until then, so it listens for the server's disconnect
-    message meanwhile (its body is read: nothing else can arrive).
-    """
-
-    async def client_gone() -> None:
-        while (await http.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if work in done:
-        work.result()  # its error, if it failed
-        return True
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
-    log.info("client disconnected before its answer; jobs cancelled")
-    return False
-
-
 def absorb(choice: Choice, event: Event) -> str:
     """Record an event in its choice; return the new text it carries."""
     if isinstance(event, TokenText):
@@ -364,33 +305,6 @@ def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
     completion = sum(c.end.tokens_out for c in choices if c.end)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}
-
-
-async def merged(streams: list[JobStream]) -> AsyncIterator[tuple[int, Event]]:
-    """Events of all choices as they come, tagged with the choice index."""
-    if len(streams) == 1:
-        async for event in streams[0].events():
-            yield 0, event
-        return
-    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: JobStream) -> None:
-        async for event in stream.events():
-            await queue.put((index, event))
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, event = await queue.get()
-            if event is None:
-                remaining -= 1
-            else:
-                yield index, event
-    finally:
-        for task in tasks:  # cancelling a pump cancels its job
-            task.cancel()
 
 
 async def stream_chunks(streams: list[JobStream], choices: list[Choice], shape: Any, include_usage: bool,

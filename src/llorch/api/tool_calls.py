@@ -145,7 +145,7 @@ class ToolCallParser:
         if not self._in_calls:
             at = self._buffer.find(CALL_OPEN)
             if at < 0:
-                cut = len(self._buffer) - _partial_suffix(self._buffer, CALL_OPEN)
+                cut = len(self._buffer) - partial_suffix(self._buffer, CALL_OPEN)
                 content, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return content, []
             content, self._buffer, self._in_calls = self._buffer[:at], self._buffer[at:], True
@@ -166,7 +166,7 @@ class ToolCallParser:
             "name": str(item.get("name", "")), "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that could begin `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llorch.api.body import BadRequest, read_body
-from llorch.api.errors import RETRY, OpenAIError, speaks_openai, worker_error, worker_errors
+from llorch.api.errors import RETRY, OpenAIError, error_for_path, family_of, worker_error, worker_errors
 from llorch.api.streaming import NDJSON, SSE, frame, sse
 from llorch.replicas.directory import known_replicas
 from llorch.replicas.relay import RelayedRequest, RelayedStart, lenient_json, routing_text
@@ -62,9 +62,9 @@ class Front:
         try:
             body = await read_body(request)
         except BadRequest as exc:  # too large: refused here, in the worker's words and its API's shape
-            if speaks_openai(path):
-                return OpenAIError(exc.status, exc.errors[0]["message"], param="body").response()
-            return worker_errors(exc.status, exc.errors)
+            if family_of(path) == "worker":
+                return worker_errors(exc.status, exc.errors)
+            return error_for_path(path, exc.status, exc.errors[0]["message"])
         parsed = lenient_json(body) if body else None
         call = RelayedRequest(
             method=request.method, path=path, query=request.url.query.encode(), body=body,
@@ -201,8 +201,9 @@ async def _drain(stream: DeploymentResponseGenerator) -> bytes:
 def lost_stream_ending(path: str, content_type: str) -> bytes:
     """The one terminal event a stream gets when its replica dies mid-way, in its own framing."""
     message = "the replica serving this job stopped; the job is lost (retry it)"
-    if speaks_openai(path):
-        if not content_type.startswith(SSE):
+    family = family_of(path)
+    if family != "worker":
+        if family != "openai" or not content_type.startswith(SSE):
             return b""  # a plain JSON answer cut short: the connection closes
         body = OpenAIError(503, message, code="replica_lost", kind="server_error").body()
         return sse(body) + b"data: [DONE]\n\n"
@@ -211,9 +212,8 @@ def lost_stream_ending(path: str, content_type: str) -> bytes:
 
 
 def unavailable(path: str, message: str) -> Response:
-    if speaks_openai(path):
-        return OpenAIError(503, message, kind="server_error", code="unavailable", headers=RETRY).response()
-    return worker_error(503, "worker", "a replica to answer", message, RETRY)
+    return error_for_path(path, 503, message, code="unavailable", field="worker", constraint="a replica to answer",
+                          headers=RETRY)
 
 
 def merge_expositions(answers: list[dict[str, str]]) -> bytes:
