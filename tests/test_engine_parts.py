@@ -219,3 +219,38 @@ def test_random_token_streams_never_emit_broken_utf8(ours: LoadedModel, data: st
     assert "".join(pieces) + final == ours.tokenizer.decode(ids)
     for piece in pieces:
         assert not piece.endswith("\ufffd")
+
+
+def test_min_tokens_keeps_the_end_tokens_out_until_that_many_are_drawn() -> None:
+    eos = (3, 7)
+    state = SamplerState(SamplingParams(temperature=0.0, min_tokens=2), 0, [1, 2], 16, torch.device("cpu"), eos)
+    logits = torch.zeros(16)
+    logits[3] = 10.0  # the end token is by far the likeliest
+    drawn = []
+    for _ in range(3):
+        drawn.append(sample_batch(logits[None], [state])[0].token_id)
+        state.accept(drawn[-1])
+    assert drawn[0] not in eos and drawn[1] not in eos and drawn[2] == 3
+
+
+def test_an_engine_loop_that_dies_ends_every_job_and_refuses_new_ones(ours: LoadedModel) -> None:
+    from jobs import make_engine, run
+    from llorch.engine.errors import QueueFull
+
+    engine = make_engine(ours, start=False)
+
+    def broken() -> None:
+        raise RuntimeError("a scheduling bug")
+
+    engine.scheduler.schedule = broken  # type: ignore[method-assign]
+    doomed = run(engine, "doomed")
+    engine.start()
+    try:
+        ending = doomed.wait(30)
+        assert ending["type"] == "error" and ending["code"] == "INFERENCE_FAILED" and "scheduling bug" in \
+            ending["message"]
+        assert len(doomed.terminal_events) == 1
+        with pytest.raises(QueueFull, match="stopped"):
+            run(engine, "late")
+    finally:
+        engine.stop()

@@ -104,10 +104,11 @@ def test_lm_eval_over_http_equals_its_hugging_face_backend(llama_worker: Worker,
     served = evaluate("local-completions", {
         "base_url": f"{llama_worker.base_url}/v1/completions", "model": model_id, "batch_size": 4,
         "max_retries": 1}, tasks)
-    # lm-eval's API backends never add BOS (its remote tokenizer asks for no special tokens); its
-    # Hugging Face backend adds what the tokenizer adds unless told not to. Same token ids on both sides:
+    # lm-eval's API backends send token ids without BOS (its remote tokenizer asks for no special
+    # tokens); the worker puts the model's BOS in front, as the model's tokenizer would. Its Hugging
+    # Face backend, told to add BOS, sees the same token ids:
     local = evaluate("hf", {"pretrained": str(zoo["llama"]), "dtype": "float32", "device": "cpu",
-                            "add_bos_token": False}, tasks)
+                            "add_bos_token": True}, tasks)
 
     # Multiple choice: every choice's log-likelihood, then the accuracy.
     served_docs, local_docs = by_doc(served, "llorch_choice"), by_doc(local, "llorch_choice")
@@ -135,3 +136,28 @@ def test_lm_eval_over_http_equals_its_hugging_face_backend(llama_worker: Worker,
     served_em = served["results"]["llorch_generate"]["exact_match,none"]
     local_em = local["results"]["llorch_generate"]["exact_match,none"]
     assert abs(served_em - local_em) <= len(differing) / len(served_gen)
+
+
+def test_generate_until_with_default_settings_answers_as_the_text_prompt_does(
+        worker: Worker, tasks: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """lm-eval sends generation prompts as token ids without BOS; the default model (Gemma, which
+    needs BOS first) must answer them as it answers the same question sent as text."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    with worker.client() as http:
+        model_id = http.get("/v1/models").json()["data"][0]["id"]
+        served = simple_evaluate(
+            model="local-completions", model_args={"base_url": f"{worker.base_url}/v1/completions",
+                                                   "model": model_id, "batch_size": 4, "max_retries": 1},
+            tasks=["llorch_generate"], task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
+        answers = by_doc(served, "llorch_generate")
+        docs = [json.loads(line) for line in (DATA / "generate.jsonl").read_text().splitlines() if line]
+        for doc_id, sample in answers.items():
+            as_text = http.post("/v1/completions", json={
+                "model": model_id, "prompt": docs[doc_id]["question"], "max_tokens": 8, "temperature": 0,
+                "stop": ["\n"]}).json()["choices"][0]["text"]
+            assert sample["filtered_resps"][0] == as_text, doc_id
+    assert sum(bool(sample["filtered_resps"][0].strip()) for sample in answers.values()) >= len(answers) - 1

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from llorch.api.app import create_app
 from llorch.api.callback import send_ready
 from llorch.api.connections import RequestLimit, guarded_protocol
+from llorch.api.cors import parse_origins
 from llorch.api.state import WorkerState
 from llorch.device import Backend, physical_cores, resolve_backend, verify_device
 from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES, EngineConfig, build_engine
@@ -36,6 +37,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def cors_origins(text: str) -> list[str] | None:
+    try:
+        return parse_origins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def non_negative_int(text: str) -> int:
@@ -60,6 +68,9 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--ctx-size", type=int, default=None, help="max prompt+generated tokens per job")
     parser.add_argument("--api-key", default=os.environ.get("LLORCH_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $LLORCH_API_KEY)")
+    parser.add_argument("--cors-origins", type=cors_origins, default=None,
+                        help="origins whose web pages may call the worker: comma-separated, '*' for any, 'none' for "
+                             "no cross-origin calls (default: http(s) pages on localhost and 127.0.0.1, any port)")
     parser.add_argument("--chat-template-file", default=None,
                         help="jinja2 chat template to use instead of the model's own")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -122,7 +133,7 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
         report_failure(program, str(exc))
         return exc.exit_code
     state = WorkerState(backend=backend.name, device=str(backend.device))
-    app = create_app(state, args.api_key)
+    app = create_app(state, args.api_key, args.cors_origins)
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
     lifecycle = Lifecycle(program, args, backend, state, worker_id, process_start)
     try:

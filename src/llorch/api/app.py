@@ -25,6 +25,7 @@ from llorch.api import anthropic, ollama, openai, responses
 from llorch.api.anthropic import create_anthropic_router
 from llorch.api.auth import install_bearer_auth
 from llorch.api.body import BadRequest, openapi_components, openapi_json_body, read_json
+from llorch.api.cors import install_cors
 from llorch.api.errors import (
     RETRY,
     WORKER_ERROR_SCHEMA,
@@ -68,7 +69,8 @@ _CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
+def create_app(state: WorkerState, api_key: str | None = None, cors_origins: list[str] | None = None) -> FastAPI:
+    """The worker's app; `cors_origins` as cors.parse_origins gives them (None: pages on localhost)."""
     # No /docs or /redoc: their pages load scripts from a CDN, which a machine without internet cannot reach.
     app = FastAPI(title="llorch worker", version="0.1.0", docs_url=None, redoc_url=None)
     app.include_router(create_anthropic_router(state))  # before the OpenAI router: both live under /v1
@@ -169,4 +171,5 @@ def create_app(state: WorkerState, api_key: str | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    install_cors(app, cors_origins)
     return app

@@ -1,4 +1,4 @@
-"""API-key auth for every endpoint but /health and /metrics, compared in constant time.
+"""API-key auth for every endpoint but /health, /metrics and the chat page, compared in constant time.
 
 The key comes as `Authorization: Bearer KEY` (OpenAI's clients, the worker API) or as
 `x-api-key: KEY` (Anthropic's clients); either is enough.
@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request, Response
 
 from llorch.api.errors import error_for_path
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The chat page and its icon hold no data; the page asks for the key and sends it with each API call.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/", "/favicon.ico"})
 
 
 def install_bearer_auth(app: FastAPI, api_key: str) -> None:

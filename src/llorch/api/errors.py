@@ -148,6 +148,9 @@ WORKER_ERROR_SCHEMA = {"application/json": {"schema": {"type": "object", "requir
     "errors": {"type": "array", "items": {"type": "object", "required": ["field", "constraint", "message"]}}}}}}
 OPENAI_ERROR_SCHEMA = {"application/json": {"schema": {"type": "object", "required": ["error"], "properties": {
     "error": {"type": "object", "required": ["message", "type"]}}}}}
+ANTHROPIC_ERROR_SCHEMA = {"application/json": {"schema": {
+    "type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"]}}}}}
 
 
 def error_responses(schema: dict[str, Any], statuses: dict[int, str]) -> dict[int | str, dict[str, Any]]:

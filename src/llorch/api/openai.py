@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,7 +43,9 @@ from llorch.api.jobs import JobStream
 from llorch.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from llorch.api.state import WorkerState
 from llorch.api.streaming import sse
-from llorch.api.tool_calls import ToolCallParser, ToolFormat
+from llorch.api.tool_calls import ToolFormat
+from llorch.api.turn import Piece, Turn
+from llorch.api.violations import one_message
 from llorch.engine.engine import Engine
 from llorch.engine.errors import EngineRefusal
 from llorch.engine.request import (
@@ -59,7 +60,6 @@ from llorch.engine.request import (
 )
 
 log = logging.getLogger("llorch.api")
-NAMED_MESSAGE = re.compile(r"([a-z_]+(?:\.[0-9a-z_]+)*): ")
 FINISH_REASONS = {"MAX_TOKENS": "length", "EOS": "stop", "STOP_SEQUENCE": "stop"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -85,7 +85,8 @@ class Choice:
     end: End | None = None
     streamed_logprobs: int = 0  # how many of `logprobs` a stream has sent
     text_offset: int = 0  # characters of text a stream has sent (text_offset of its next entry)
-    parser: ToolCallParser | None = None  # when tools may be called: splits text into content and calls
+    turn: Turn | None = None  # a chat turn: splits text into reasoning, content and calls
+    reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     echo: str | None = None  # the prompt's text still to put in front (`echo`; taken by the first text)
 
@@ -122,6 +123,13 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 OPENAPI_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletionRequest)
 
 
+def model_card(engine: Engine) -> dict[str, Any]:
+    """The served model as OpenAI's model object, with llorch's facts about it."""
+    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "llorch",
+            "context_length": engine.ctx_size, "max_model_len": engine.ctx_size,
+            "chat_template": engine.chat_template.name if engine.chat_template else None}
+
+
 def ready(state: WorkerState) -> Engine:
     """The engine, or a 503 while the worker loads or drains."""
     why = state.unavailable()
@@ -131,22 +139,9 @@ def ready(state: WorkerState) -> Engine:
 
 
 def validation_error(exc: ValidationError) -> OpenAIError:
-    """Every violation in one message ("param: why; param: why"), `param` naming the first.
-
-    OpenAI's error shape holds one message; listing them all there tells a client everything
-    to fix at once, as the worker API's list does.
-    """
-    violations: list[tuple[str | None, str]] = []
-    for error in exc.errors(include_url=False):
-        param = ".".join(str(p) for p in error["loc"]) or None
-        message = error["msg"].removeprefix("Value error, ")
-        if param is None:  # a check across fields names the one it blames first: "field: why"
-            named = NAMED_MESSAGE.match(message)
-            violations.append((named.group(1) if named else None, message))
-        else:
-            violations.append((param, f"{param}: {message}"))
-    unique = list(dict.fromkeys(message for _, message in violations))
-    return OpenAIError(400, "; ".join(unique), param=violations[0][0])
+    """Every violation in one message, `param` naming the first."""
+    param, message = one_message(exc)
+    return OpenAIError(400, message, param=param)
 
 
 async def parse_body(request: Request, model: type[BaseModel], state: WorkerState) -> Any:
@@ -179,11 +174,19 @@ def create_openai_router(state: WorkerState) -> APIRouter:
             engine = ready(state)
         except OpenAIError as exc:
             return exc.response()
-        return {"object": "list", "data": [{
-            "id": engine.model_id, "object": "model", "created": 0, "owned_by": "llorch",
-            "context_length": engine.ctx_size, "max_model_len": engine.ctx_size,
-            "chat_template": engine.chat_template.name if engine.chat_template else None,
-        }]}
+        return {"object": "list", "data": [model_card(engine)]}
+
+    @router.get("/models/{model_id:path}", response_model=None, responses=error_responses(
+        OPENAI_ERROR_SCHEMA, {404: "Unknown model", 503: "Loading"}))
+    async def model(model_id: str) -> dict[str, Any] | JSONResponse:
+        try:
+            engine = ready(state)
+            if model_id != engine.model_id:
+                raise OpenAIError(404, f"The model `{model_id[:200]}` does not exist; this worker serves "
+                                  f"`{engine.model_id}`.", param="model", code="model_not_found")
+        except OpenAIError as exc:
+            return exc.response()
+        return model_card(engine)
 
     @router.post("/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
                  responses=GENERATION_RESPONSES)
@@ -221,7 +224,8 @@ def create_openai_router(state: WorkerState) -> APIRouter:
             job = GenerationRequest("", None, body.max_completion_tokens or body.max_tokens, body.sampling(0),
                                     stop=body.stop_sequences,
                                     logprobs=top, messages=tuple(m.for_template() for m in body.messages),
-                                    tools=tuple(tools) if tools else None, constraint=constraint)
+                                    tools=tuple(tools) if tools else None, constraint=constraint,
+                                    chat_options=body.chat_options())
             calls = fmt if body.tool_mode not in (None, "none") else None
             return await generate(request, engine, body, [job], chat=True, tool_format=calls)
         except OpenAIError as exc:
@@ -231,10 +235,15 @@ def create_openai_router(state: WorkerState) -> APIRouter:
 
 
 def echo_start(engine: Engine, job: PreparedJob) -> tuple[str, list[LogprobEntry]]:
-    """What an echoed choice starts with: the prompt's text, and its unscored first token when it is scored."""
+    """What an echoed choice starts with: the prompt's text, and its unscored first token when it is scored.
+
+    A BOS the worker put in front of given token ids is not echoed: the echo holds exactly the
+    client's tokens, each of them scored (a client slicing by position finds its own tokens).
+    """
     tokenizer = engine.front.tokenizer
-    text = job.request.prompt if job.request.prompt is not None else tokenizer.decode(job.prompt_ids)
-    if job.request.prompt_logprobs is None:
+    given = job.prompt_ids[1:] if job.added_bos else job.prompt_ids
+    text = job.request.prompt if job.request.prompt is not None else tokenizer.decode(given)
+    if job.request.prompt_logprobs is None or job.added_bos:
         return text, []
     return text, [UnscoredToken(job.prompt_ids[0], tokenizer.token_text(job.prompt_ids[0]))]
 
@@ -257,40 +266,54 @@ async def generate(http: Request, engine: Engine, body: Any, requests: list[Gene
     prompt_tokens = sum(len(job.prompt_ids) for job in prepared)
     created = int(time.time())
     special = engine.front.tokenizer.special_ids
-    shape = ChatShape(request_id, created, engine.model_id) if chat else CompletionShape(request_id, created,
-                                                                                         engine.model_id, special)
+    shape = ChatShape(request_id, created, engine.model_id, getattr(body, "legacy_functions", False)) if chat \
+        else CompletionShape(request_id, created, engine.model_id, special)
     choices: list[Choice] = []
     for job in prepared:  # choice i * n + j is prompt i's j-th
         text, first = echo_start(engine, job) if echo else (None, [])
         for _ in range(body.n):
             choices.append(Choice(len(choices), logprobs=list(first), echo=text,
-                                  parser=ToolCallParser(tool_format) if tool_format else None))
+                                  turn=Turn.for_chat(engine, job, tool_format) if chat else None))
     if body.stream:
-        return StreamingResponse(stream_chunks(streams, choices, shape, body.include_usage, prompt_tokens),
+        return StreamingResponse(stream_chunks(engine, streams, choices, shape, body.include_usage, prompt_tokens),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    if not await unless_disconnected(http, asyncio.ensure_future(collect(streams, choices))):
+    if not await unless_disconnected(http, asyncio.ensure_future(collect(engine, streams, choices))):
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the jobs are cancelled
     for choice in choices:
         choice.text = choice.take_echo() + choice.text
-        if choice.parser is not None:  # the whole text, split into content and calls
-            content, _ = choice.parser.feed(choice.text)
-            rest, _ = choice.parser.finish()
-            choice.text, choice.tool_calls = content + rest, choice.parser.calls
     return JSONResponse(shape.response(choices, usage(prompt_tokens, choices)))
 
 
-async def collect(streams: list[JobStream], choices: list[Choice]) -> None:
+async def collect(engine: Engine, streams: list[JobStream], choices: list[Choice]) -> None:
     """Every event of every choice into its Choice; a job's error ends the request."""
     async for index, event in merged(streams):
         if isinstance(event, Error):
             raise openai_job_error(event)
-        absorb(choices[index], event)
+        text = absorb(choices[index], event, keep_text=choices[index].turn is None)
+        if choices[index].turn is not None and (text or isinstance(event, End)):
+            piece = split_turn(engine, streams[index], choices[index], text, isinstance(event, End))
+            choices[index].text += piece.content
 
 
-def absorb(choice: Choice, event: Event) -> str:
-    """Record an event in its choice; return the new text it carries."""
+def split_turn(engine: Engine, stream: JobStream, choice: Choice, text: str, end: bool) -> Piece:
+    """New text of a chat choice split into reasoning, content and calls, recorded in the choice.
+
+    A turn that has ended early (a repeated tool call) cancels its job: the rest would be discarded.
+    """
+    assert choice.turn is not None
+    piece = choice.turn.take(text, end)
+    choice.reasoning += piece.reasoning
+    choice.tool_calls.extend(piece.calls)
+    if choice.turn.finished and not end:
+        engine.cancel(stream.job_id)
+    return piece
+
+
+def absorb(choice: Choice, event: Event, keep_text: bool = True) -> str:
+    """Record an event in its choice; return the new text it carries (kept in `text` unless a turn splits it)."""
     if isinstance(event, TokenText):
-        choice.text += event.t
+        if keep_text:
+            choice.text += event.t
         return event.t
     if isinstance(event, TokenLogprob):
         choice.logprobs.append(event)
@@ -307,8 +330,8 @@ def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion}
 
 
-async def stream_chunks(streams: list[JobStream], choices: list[Choice], shape: Any, include_usage: bool,
-                        prompt_tokens: int) -> AsyncIterator[bytes]:
+async def stream_chunks(engine: Engine, streams: list[JobStream], choices: list[Choice], shape: Any,
+                        include_usage: bool, prompt_tokens: int) -> AsyncIterator[bytes]:
     for choice in choices:
         first = shape.first_chunk(choice.index)
         if first:
@@ -321,25 +344,24 @@ async def stream_chunks(streams: list[JobStream], choices: list[Choice], shape: 
         if choice.echo is not None and isinstance(event, TokenText | TokenLogprob | End):
             # The prompt is read: its text and log-probabilities go first, in a chunk of their own.
             yield sse(shape.chunk(choice, choice.take_echo(), choice.unsent_logprobs()))
-        text = absorb(choice, event)
+        text = absorb(choice, event, keep_text=choice.turn is None)
         if isinstance(event, PromptLogprobs):
             continue
         calls: list[dict[str, Any]] = []
-        if choice.parser is not None and (text or isinstance(event, End)):
-            text, calls = choice.parser.feed(text)
-            if isinstance(event, End):
-                rest, more = choice.parser.finish()
-                text, calls = text + rest, calls + more
-        if calls:
+        reasoning = ""
+        if choice.turn is not None and (text or isinstance(event, End)):
             first = len(choice.tool_calls)
-            choice.tool_calls.extend(calls)
-        if text or calls:
+            piece = split_turn(engine, streams[index], choice, text, isinstance(event, End))
+            text, calls, reasoning = piece.content, piece.calls, piece.reasoning
+        if reasoning:
+            yield sse(shape.reasoning_chunk(index, reasoning))
+        if text or len(choice.logprobs) > choice.streamed_logprobs:
             yield sse(shape.chunk(choice, text, choice.unsent_logprobs()))
         for offset, call in enumerate(calls):  # each call: its id and name, then its arguments
             for delta in tool_call_deltas(first + offset, call):
                 yield sse(shape.tool_chunk(index, delta))
         if isinstance(event, End):
-            yield sse(shape.chunk(choice, "", choice.unsent_logprobs(), choice.finish_reason))
+            yield sse(shape.chunk(choice, "", choice.unsent_logprobs(), shape.finish(choice)))
     else:
         if include_usage:
             yield sse({**shape.envelope(), "choices": [], "usage": usage(prompt_tokens, choices)})
@@ -390,6 +412,10 @@ class CompletionShape:
             {"index": c.index, "text": c.text, "logprobs": self.logprobs(c.logprobs),
              "finish_reason": c.finish_reason} for c in choices], "usage": usage}
 
+    @staticmethod
+    def finish(choice: Choice) -> str | None:
+        return choice.finish_reason
+
     def first_chunk(self, index: int) -> dict[str, Any] | None:
         return None
 
@@ -406,6 +432,11 @@ class ChatShape:
     id: str
     created: int
     model: str
+    legacy_functions: bool = False  # the request used `functions`: a call is answered as `function_call`
+
+    def finish(self, choice: Choice) -> str | None:
+        reason = choice.finish_reason
+        return "function_call" if reason == "tool_calls" and self.legacy_functions else reason
 
     def envelope(self, chunk: bool = True) -> dict[str, Any]:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
@@ -424,19 +455,32 @@ class ChatShape:
     def response(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
         return {**self.envelope(chunk=False), "choices": [
             {"index": c.index, "message": self.message(c), "logprobs": self.logprobs(c.logprobs),
-             "finish_reason": c.finish_reason} for c in choices],
+             "finish_reason": self.finish(c)} for c in choices],
             "usage": usage}
 
-    @staticmethod
-    def message(choice: Choice) -> dict[str, Any]:
-        if not choice.tool_calls:
-            return {"role": "assistant", "content": choice.text}
-        return {"role": "assistant", "content": choice.text if choice.text.strip() else None,
-                "tool_calls": choice.tool_calls}
+    def message(self, choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if choice.reasoning:
+            message["reasoning_content"] = choice.reasoning
+        if choice.tool_calls:
+            message["content"] = choice.text if choice.text.strip() else None
+            if self.legacy_functions:
+                message["function_call"] = choice.tool_calls[0]["function"]
+            else:
+                message["tool_calls"] = choice.tool_calls
+        return message
+
+    def delta_chunk(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        return {**self.envelope(), "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                "finish_reason": None}]}
 
     def tool_chunk(self, index: int, call_delta: dict[str, Any]) -> dict[str, Any]:
-        return {**self.envelope(), "choices": [{"index": index, "delta": {"tool_calls": [call_delta]},
-                                                "logprobs": None, "finish_reason": None}]}
+        if self.legacy_functions:
+            return self.delta_chunk(index, {"function_call": call_delta["function"]})
+        return self.delta_chunk(index, {"tool_calls": [call_delta]})
+
+    def reasoning_chunk(self, index: int, reasoning: str) -> dict[str, Any]:
+        return self.delta_chunk(index, {"reasoning_content": reasoning})
 
     def first_chunk(self, index: int) -> dict[str, Any]:
         return {**self.envelope(), "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},

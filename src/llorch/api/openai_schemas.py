@@ -1,6 +1,11 @@
-"""OpenAI API request bodies. Unknown or unsupported parameters are 400s, never ignored.
+"""OpenAI API request bodies.
 
-Exception: `user` is accepted and ignored, as OpenAI itself only records it.
+The policy for fields (README's table): what cannot change the output is accepted and
+ignored (`user`, `store`, `metadata`, `service_tier`, `prompt_cache_key`, ...; `refusal`,
+`annotations` and provider extras on assistant messages sent back; null for any optional
+field); what changes it is applied (`min_tokens`, `ignore_eos`, `chat_template_kwargs`,
+`add_generation_prompt`, `continue_final_message`, legacy `functions`); anything else
+unknown or unsupported is a 400 naming the field, never silently ignored.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from llorch.api.schemas import (
     TopK,
     TopP,
     sampling_params,
+    stop_tuple,
 )
-from llorch.engine.request import Constraint, SamplingParams
+from llorch.engine.request import IGNORE_EOS, ChatOptions, Constraint, SamplingParams
 
 MAX_CHOICES = 8
 MAX_TOP_LOGPROBS = 20
@@ -73,12 +79,18 @@ class ResponseFormat(Strict):
         return self
 
 
+def without_nulls(data: Any) -> Any:
+    """A body's fields without those sent as null: an optional field sent as null means its default."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class OpenAIRequest(BaseModel):
     """Parameters shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(max_length=MAX_ID_CHARS)
+    # Absent: the served model.
+    model: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -92,7 +104,16 @@ class OpenAIRequest(BaseModel):
     # Token id (as a string, as OpenAI has it) -> a bias in [-100, 100] added to its logit before sampling.
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None,
                                                                                    max_length=MAX_LOGIT_BIAS)
+    # Accepted and ignored: none of them changes the output.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: str | None = Field(default=None, max_length=64)
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    safety_identifier: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    # Applied: a floor on generated tokens before end-of-generation may come, or none at all.
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     # llorch extras, sent by the openai client through `extra_body`
     top_k: TopK = 0
     min_p: MinP = 0.0
@@ -101,6 +122,8 @@ class OpenAIRequest(BaseModel):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     grammar: str | None = None
+
+    _nulls = model_validator(mode="before")(without_nulls)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> OpenAIRequest:
@@ -120,6 +143,11 @@ class OpenAIRequest(BaseModel):
             raise ValueError("stop: at most 4 sequences")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} is more than max_tokens ({self.max_tokens})")
+        if (self.min_tokens or self.ignore_eos) and self.constraint() is not None:
+            raise ValueError("min_tokens: min_tokens and ignore_eos cannot be combined with an output constraint, "
+                             "which decides where the output ends")
         return self
 
     def constraint(self) -> Constraint | None:
@@ -141,9 +169,7 @@ class OpenAIRequest(BaseModel):
 
     @property
     def stop_sequences(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return stop_tuple(self.stop)
 
     @property
     def include_usage(self) -> bool:
@@ -154,7 +180,8 @@ class OpenAIRequest(BaseModel):
         seed = None if self.seed is None else (self.seed + choice) % (UINT64_MAX + 1)
         bias = tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
         return sampling_params(self, seed, presence_penalty=self.presence_penalty,
-                               frequency_penalty=self.frequency_penalty, logit_bias=bias)
+                               frequency_penalty=self.frequency_penalty, logit_bias=bias,
+                               min_tokens=IGNORE_EOS if self.ignore_eos else self.min_tokens)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -237,11 +264,20 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = Field(default=None, max_length=MAX_ID_CHARS)  # a tool turn: the call it answers
+    function_call: CalledFunction | None = None  # the legacy form of one call (answered by a "function" message)
+    # What clients send back of an earlier answer, accepted and ignored: nothing a template reads.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None  # null only: audio is not supported
+    reasoning_content: str | None = None
+    provider_specific_fields: dict[str, Any] | None = None
+
+    _nulls = model_validator(mode="before")(without_nulls)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -266,12 +302,17 @@ class ChatMessage(Strict):
 
     @model_validator(mode="after")
     def _shape(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        calls = self.tool_calls or self.function_call
+        if self.content is None and not (self.role == "assistant" and calls):
             raise ValueError(f"a {self.role} message needs content")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
+        if calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls or function_call")
+        if self.tool_calls and self.function_call:
+            raise ValueError("a message carries tool_calls or the legacy function_call, not both")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs the name of the function it answers")
         return self
 
     def for_template(self) -> dict[str, Any]:
@@ -279,16 +320,24 @@ class ChatMessage(Strict):
             text = ""
         else:
             text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        # Templates know "system"; OpenAI's newer "developer" role means the same.
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        if self.tool_calls:  # templates read arguments as objects, not JSON text
+        # Templates know "system" and "tool"; OpenAI's "developer" and legacy "function" roles mean the same.
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        message: dict[str, Any] = {"role": role, "content": text}
+        calls = self.tool_calls or ([ToolCall(id=legacy_call_id(self.function_call.name), function=self.function_call)]
+                                    if self.function_call else [])
+        if calls:  # templates read arguments as objects, not JSON text
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role == "tool":
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}} for c in calls]
+        if self.tool_call_id is not None or self.role == "function":
+            message["tool_call_id"] = self.tool_call_id or legacy_call_id(self.name or "")
+        if self.name is not None and role == "tool":
             message["name"] = self.name
         return message
+
+
+def legacy_call_id(name: str) -> str:
+    """The id a legacy function call and its answer share (the legacy API pairs them by name)."""
+    return f"call_{name}"
 
 
 class FunctionDefinition(Strict):
@@ -315,6 +364,10 @@ class NamedToolChoice(Strict):
 MAX_TOOLS = 128
 
 
+# Template variables a request may not set: the template's own arguments.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -323,6 +376,52 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # The legacy form of tools: function definitions and a choice among them; the answer is a `function_call`.
+    functions: list[FunctionDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    # Accepted and ignored: they tune models that this worker does not serve differently.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    # Applied: how the conversation renders.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatCompletionRequest:
+        """Legacy `functions` / `function_call` become tools and tool_choice (one call, answered the legacy way)."""
+        if self.function_call is not None and not self.functions:
+            raise ValueError("function_call needs functions")
+        if self.functions:
+            if self.tools:
+                raise ValueError("functions: give tools or the legacy functions, not both")
+            self.tools = [Tool(type="function", function=f) for f in self.functions]
+            choice = self.function_call
+            self.tool_choice = NamedToolChoice(type="function", function=choice) if isinstance(
+                choice, NamedFunction) else choice
+            self.parallel_tool_calls = False
+        return self
+
+    @model_validator(mode="after")
+    def _rendering(self) -> ChatCompletionRequest:
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here")
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
+                self.model_fields_set:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
+        if (self.min_tokens or self.ignore_eos) and self.tools and self.tool_choice != "none":
+            raise ValueError("min_tokens: min_tokens and ignore_eos cannot be combined with tools")
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        return bool(self.functions)
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.add_generation_prompt, self.continue_final_message,
+                           tuple(sorted((self.chat_template_kwargs or {}).items())))
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:

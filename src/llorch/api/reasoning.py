@@ -41,6 +41,7 @@ class ReasoningParser:
     in_reasoning: bool = False  # the prompt opened the thought already
     _buffer: str = ""
     _decided: bool = False  # whether the start of the output has been seen
+    _closed: bool = False  # the thought has ended: white space before the answer is dropped
 
     @classmethod
     def for_prompt(cls, markers: tuple[str, str], prompt: str) -> ReasoningParser:
@@ -65,12 +66,15 @@ class ReasoningParser:
                 cut = len(self._buffer) - partial_suffix(self._buffer, self.end)
                 reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return reasoning, ""
-            reasoning, self._buffer = self._buffer[:at], self._buffer[at + len(self.end):].lstrip()
-            self.in_reasoning = False
+            reasoning, self._buffer = self._buffer[:at], self._buffer[at + len(self.end):]
+            self.in_reasoning, self._closed = False, True
+        if self._closed:  # the answer starts at its first visible character
+            self._buffer = self._buffer.lstrip()
+            self._closed = not self._buffer
         content, self._buffer = self._buffer, ""
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:
         """What is held back at the end: a thought cut short stays reasoning."""
         rest, self._buffer = self._buffer, ""
-        return (rest, "") if self.in_reasoning else ("", rest)
+        return (rest, "") if self.in_reasoning else ("", rest.lstrip() if self._closed else rest)

@@ -22,6 +22,13 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(ge=0.0, le=2.0)]
 
 
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A request's stop sequences (one string, a list, or none) as the engine takes them."""
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
 def sampling_params(body: Any, seed: int | None, **extra: Any) -> SamplingParams:
     """SamplingParams from a validated request carrying the shared sampling fields."""
     return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,

@@ -25,6 +25,7 @@ from llorch.api.openai_schemas import MAX_TOOLS, ChatMessage, Strict, TokenId, T
 from llorch.api.state import WorkerState
 from llorch.engine.engine import Engine
 from llorch.engine.errors import RequestRejected
+from llorch.engine.request import ChatOptions
 
 MAX_DETOKENIZE_TOKENS = 1 << 18
 
@@ -66,7 +67,7 @@ def tokenize(engine: Engine, body: TokenizeRequest) -> list[int]:
     if body.messages is not None:
         tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
         text = engine.front.render_chat(tuple(m.for_template() for m in body.messages), tools,
-                                        add_generation_prompt=body.add_generation_prompt)
+                                        ChatOptions(add_generation_prompt=body.add_generation_prompt))
         return engine.front.encode(text, bool(body.add_special_tokens), "messages")
     assert body.prompt is not None
     add_special = True if body.add_special_tokens is None else body.add_special_tokens

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from llorch.engine.json_bounds import JSON_OPTIONS, bounded
 from llorch.weights.tool_prompt import CALL_CLOSE, CALL_OPEN
 
 # The most calls one turn may hold: a small model can otherwise repeat calls until max_tokens.
@@ -48,11 +49,32 @@ def format_for(template_source: str | None, template_reads_tools: bool) -> ToolF
 
 
 def _call_schema(tools: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    variants = [{"type": "object", "properties": {
-        "name": {"const": t["function"]["name"]},
-        key: t["function"].get("parameters") or {"type": "object"},
-    }, "required": ["name", key], "additionalProperties": False} for t in tools]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    """One schema for a call of any of `tools`: {"name": <const>, key: <that function's arguments>}.
+
+    Each function's parameters move under `$defs` with their references rebased, so a schema
+    that refers to its own definitions (`#/$defs/Item`, or `#` for a recursive one) still
+    resolves inside the wrapper.
+    """
+    definitions: dict[str, Any] = {}
+    variants = []
+    for index, tool in enumerate(tools):
+        name = f"llorch_arguments_{index}"
+        definitions[name] = _rebased(tool["function"].get("parameters") or {"type": "object"}, f"#/$defs/{name}")
+        variants.append({"type": "object", "properties": {
+            "name": {"const": tool["function"]["name"]}, key: {"$ref": f"#/$defs/{name}"},
+        }, "required": ["name", key], "additionalProperties": False})
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**bounded({**schema, "$defs": definitions}), "x-guidance": JSON_OPTIONS}
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """`node` with every local reference ("#...") made relative to `base` instead of the document's root."""
+    if isinstance(node, list):
+        return [_rebased(item, base) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base))
+            for k, v in node.items()}
 
 
 def _literal(text: str) -> str:
@@ -99,6 +121,12 @@ class ToolCallParser:
 
     hermes calls are recognised one by one as each closes; the other formats are decided
     by the first character that is not white space, then read whole at the end.
+
+    A call that repeats an earlier one of the turn word for word ends the turn (`finished`):
+    a small model that may make several calls tends to repeat its call until max_tokens
+    instead of ending, and an identical second call adds nothing. The API cancels the job
+    then, and the turn ends with the calls made so far. A call cut short by max_tokens is
+    dropped, never returned as text.
     """
 
     fmt: ToolFormat
@@ -106,9 +134,12 @@ class ToolCallParser:
     _in_calls: bool = False
     _decided: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)
+    finished: bool = False  # a repeated call ended the turn: nothing after it counts
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """New content to send now, and the calls completed by this text."""
+        if self.finished:
+            return "", []
         self._buffer += text
         if self.fmt is HERMES:
             return self._hermes()
@@ -127,18 +158,18 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left at the end: content, and calls (of the formats read whole)."""
         rest, self._buffer = self._buffer, ""
+        if self.finished:
+            return "", []
         if not self._in_calls:
             return rest, []
         if self.fmt is HERMES:
-            return ("" if not rest.strip() else rest), []  # an unclosed call (cut by max_tokens) stays text
+            return "", []  # an unclosed call, cut by max_tokens
         try:
             parsed = json.loads(rest.strip().removeprefix(self.fmt.marker))
         except ValueError:
-            return rest, []  # cut short: the text as it is
+            return "", []  # cut short
         items = parsed if isinstance(parsed, list) else [parsed]
-        calls = [self._call(item) for item in items if isinstance(item, dict)]
-        self.calls.extend(calls)
-        return "", calls
+        return "", self._accept([item for item in items if isinstance(item, dict)])
 
     def _hermes(self) -> tuple[str, list[dict[str, Any]]]:
         content = ""
@@ -149,16 +180,32 @@ class ToolCallParser:
                 content, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return content, []
             content, self._buffer, self._in_calls = self._buffer[:at], self._buffer[at:], True
-        done: list[dict[str, Any]] = []
+        items: list[dict[str, Any]] = []
         while (end := self._buffer.find(CALL_CLOSE)) >= 0:
             block, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_CLOSE):]
             body = block.split(CALL_OPEN, 1)[-1].strip()
             try:
-                done.append(self._call(json.loads(body)))
+                item = json.loads(body)
             except ValueError:
                 continue
+            if isinstance(item, dict):
+                items.append(item)
+        return content, self._accept(items)
+
+    def _accept(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """New calls from parsed items, up to the first that repeats an earlier call (which finishes the turn)."""
+        seen = {(c["function"]["name"], c["function"]["arguments"]) for c in self.calls}
+        done = []
+        for item in items:
+            call = self._call(item)
+            key = (call["function"]["name"], call["function"]["arguments"])
+            if key in seen:
+                self.finished, self._buffer = True, ""
+                break
+            seen.add(key)
+            done.append(call)
         self.calls.extend(done)
-        return content, done
+        return done
 
     def _call(self, item: dict[str, Any]) -> dict[str, Any]:
         arguments = item.get(self.fmt.arguments_key, {})

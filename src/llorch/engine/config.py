@@ -138,7 +138,7 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     runner = ModelRunner(loaded.model, device, loaded.dtype, kv_pool_bytes(config, loaded, device, ctx_size))
     engine = Engine(runner, loaded.tokenizer, replace(config, ctx_size=ctx_size), model_name=loaded.name,
                     model_id=loaded.model_id, chat_template=load_chat_template(config.chat_template_file, loaded),
-                    telemetry=telemetry)
+                    telemetry=telemetry, model_path=loaded.path)
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     engine.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
                                  "dtype": dtype_name})

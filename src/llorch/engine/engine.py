@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,7 +42,10 @@ from llorch.engine.scheduler import Chunk, Scheduler
 from llorch.engine.scoring import score_rows
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
+from llorch.errors import StartupError
+from llorch.models.config import ModelConfig
 from llorch.weights.chat_template import ChatTemplate
+from llorch.weights.model_facts import ModelFacts, read_model_facts, unknown_facts
 from llorch.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -70,9 +74,12 @@ class EngineStats:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, *, model_name: str,
-                 model_id: str, chat_template: ChatTemplate | None = None, telemetry: Telemetry | None = None) -> None:
+                 model_id: str, chat_template: ChatTemplate | None = None, telemetry: Telemetry | None = None,
+                 model_path: Path | None = None) -> None:
         assert config.ctx_size is not None, "build_engine resolves the context size"
         self.runner = runner
+        self.model_path = model_path  # the served file or directory (None: built from a model already loaded)
+        self._facts: ModelFacts | None = None
         self.config = config
         self.model_name = model_name
         self.model_id = model_id
@@ -121,6 +128,21 @@ class Engine:
         return self.runner.resident_bytes
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The model's shapes and switches (a fact for listings; nothing to change)."""
+        return self.runner.config
+
+    def model_facts(self) -> ModelFacts:
+        """The model file's facts for listings, read once (it hashes the file unless a load already did)."""
+        if self._facts is None:
+            try:
+                self._facts = read_model_facts(self.model_path, self.runner.config) if self.model_path else None
+            except (OSError, ValueError, StartupError):
+                self._facts = None
+            self._facts = self._facts or unknown_facts(self.runner.config, self.runner.weight_bytes)
+        return self._facts
+
+    @property
     def chat_template(self) -> ChatTemplate | None:
         return self.front.chat_template
 
@@ -137,6 +159,8 @@ class Engine:
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
         output = SequenceOutput(self.front.tokenizer, request.stop)
         with self._jobs_lock:
+            if self.failed is not None:  # nothing would ever run it
+                raise QueueFull(f"the engine has stopped ({type(self.failed).__name__}); the worker is unhealthy")
             if request.job_id in self._jobs:
                 raise DuplicateJob(request.job_id)
             # Jobs not yet admitted take the free slots first: only those beyond them wait. (Counting
@@ -191,8 +215,16 @@ class Engine:
                 if not self.scheduler.idle:
                     self._step()
         except BaseException as exc:  # the loop itself must never die silently
-            self.failed = exc
+            with self._jobs_lock:
+                self.failed = exc
+                stranded = list(self._jobs.values())
             log.exception("engine loop failed; the worker is unhealthy")
+            why = f"the engine stopped: {type(exc).__name__}: {exc}"
+            for seq in stranded:  # every accepted job still gets its one terminal event
+                try:
+                    self._fail(seq, ErrorCode.INFERENCE_FAILED, why)
+                except Exception:  # not in the scheduler yet (still in the inbox): only its event
+                    self.output.fail(seq, ErrorCode.INFERENCE_FAILED, why)
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -380,7 +412,7 @@ class Engine:
         with self._jobs_lock:
             self._queued -= 1
         seq.sampler = SamplerState(seq.request.sampling, seq.seed, seq.prompt_ids, self.runner.config.vocab_size,
-                                   self.device)
+                                   self.device, self.front.tokenizer.eos_token_ids)
         if seq.grammar is not None:
             seq.matcher = seq.grammar.matcher()
         self.output.decoding(seq)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper
 
 from llorch.engine.errors import RequestRejected
+from llorch.engine.json_bounds import JSON_OPTIONS, bounded
 from llorch.engine.request import Constraint
 from llorch.weights.tokenizer import SPACE_MARK, Tokenizer
 
@@ -36,8 +37,6 @@ CACHED_GRAMMARS = 128
 # roughly 50k per ms of lexer construction; a lexer state costs 1-2 kB).
 LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_lexer_states=100_000,
               max_grammar_size=200_000)
-# JSON output is compact and spaced like json.dumps: no free whitespace a model could loop in.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class Grammars:
                 schema = json.loads(constraint.source)
                 if not isinstance(schema, (dict, bool)):
                     raise reject("a JSON schema is an object (or true/false)")
-                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+                grammar = LLMatcher.grammar_from_json_schema(bounded(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             elif constraint.kind == "regex":
                 grammar = LLMatcher.grammar_from_regex(constraint.source)
             else:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from llorch.engine.errors import RequestRejected
 from llorch.engine.grammar import Grammars
-from llorch.engine.request import GenerationRequest, PreparedJob
+from llorch.engine.request import ChatOptions, GenerationRequest, PreparedJob
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.tokenizer import TokenizationError, Tokenizer
 
@@ -27,6 +27,7 @@ class FrontDoor:
         self.ctx_size = ctx_size
         self.pool_tokens = pool_tokens
         self.max_prompt_tokens = max_prompt_tokens
+        self._leading_bos = tokenizer.leading_bos
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -34,9 +35,10 @@ class FrontDoor:
         return min(self.ctx_size, self.pool_tokens)
 
     def prepare(self, request: GenerationRequest) -> PreparedJob:
+        given: list[int] = []
         if request.messages is not None:
             # The template spells BOS itself.
-            prompt, add_special = self.render_chat(request.messages, request.tools), False
+            prompt, add_special = self.render_chat(request.messages, request.tools, request.chat_options), False
         elif request.prompt_ids is not None:
             prompt, add_special = None, False
         elif request.prompt is not None:
@@ -44,7 +46,8 @@ class FrontDoor:
         else:
             raise RequestRejected("prompt", "required", "a job needs a prompt or chat messages")
         if prompt is None:
-            ids = self.check_token_ids(request.prompt_ids or ())
+            given = self.check_token_ids(request.prompt_ids or ())
+            ids = self.with_bos(given)
         else:
             ids = self.encode(prompt, add_special, "messages" if request.messages is not None else "prompt")
         if not ids:
@@ -58,7 +61,8 @@ class FrontDoor:
         # Compiled after the cheap checks: a grammar can take a while, and the job may not fit anyway.
         grammar = self.grammars.compile(request.constraint) if request.constraint is not None else None
         prepared = replace(request, prompt=prompt, add_special_tokens=add_special, messages=None, tools=None)
-        return PreparedJob(prepared, tuple(ids), max_tokens, grammar)
+        added_bos = prompt is None and len(ids) > len(given)
+        return PreparedJob(prepared, tuple(ids), max_tokens, grammar, added_bos=added_bos)
 
     def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
         """The text's token ids; a tokenizer failure is this request's 400, not the server's error."""
@@ -75,6 +79,15 @@ class FrontDoor:
                                       f"vocabulary of {self.vocab_size} tokens")
         return list(ids)
 
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """Token ids as given, after the model's BOS when it starts every prompt with one and they do not.
+
+        Evaluation harnesses send ids tokenized without special tokens; a model trained to see
+        BOS first (Gemma, Llama) answers such prompts with noise.
+        """
+        bos = self._leading_bos
+        return [bos, *ids] if bos is not None and ids and ids[0] != bos else ids
+
     def check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
         for token_id, _ in bias:
             if not 0 <= token_id < self.vocab_size:
@@ -83,16 +96,20 @@ class FrontDoor:
                                       f"{self.vocab_size} tokens")
 
     def render_chat(self, messages: tuple[dict[str, object], ...], tools: tuple[dict[str, object], ...] | None = None,
-                    add_generation_prompt: bool = True) -> str:
+                    options: ChatOptions | None = None) -> str:
+        options = options or ChatOptions()
         if self.chat_template is None:
             raise RequestRejected("messages", "a chat template", "this model has no chat template; use "
                                   "/v1/completions or start the worker with --chat-template-file",
                                   code="chat_template_missing")
+        continuing = options.continue_final_message
         try:
-            return self.chat_template.render(list(messages), add_generation_prompt,
-                                             tools=list(tools) if tools else None)
+            prompt = self.chat_template.render(list(messages), options.add_generation_prompt and not continuing,
+                                               tools=list(tools) if tools else None,
+                                               extra=dict(options.template_kwargs))
         except ChatTemplateError as exc:
             raise RequestRejected("messages", "renders with the chat template", str(exc)) from exc
+        return continued(prompt, messages[-1]) if continuing else prompt
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
@@ -111,3 +128,17 @@ class FrontDoor:
                 f"the prompt is {prompt_tokens} tokens; with max_tokens={max_tokens} it needs more KV cache "
                 f"than this worker's whole pool holds ({self.pool_tokens} tokens, see --kv-cache-mb)",
                 code="context_length_exceeded")
+
+
+def continued(prompt: str, final: dict[str, object]) -> str:
+    """The rendered conversation cut right after the final message's text, so the model continues it."""
+    text = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(text, str) or not text:
+        raise RequestRejected("continue_final_message", "a final assistant message with text",
+                              "continue_final_message needs the last message to be an assistant message with text")
+    at = prompt.rfind(text)
+    if at < 0:
+        raise RequestRejected("continue_final_message", "the template keeps the final message's text",
+                              "the chat template does not render the final message's text as given, so it "
+                              "cannot be continued")
+    return prompt[: at + len(text)]

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar, Literal
 
+IGNORE_EOS = 1 << 31  # min_tokens that outlasts any job: generation ends at max_tokens or a stop sequence
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,8 @@ class SamplingParams:
     seed: int | None = None
     # Added to the named tokens' logits before anything else (OpenAI's logit_bias): (token id, bias) pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # End-of-generation tokens cannot be drawn before this many tokens are out (IGNORE_EOS: never).
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -36,6 +40,16 @@ class Constraint:
     kind: Literal["json_schema", "regex", "lark"]
     source: str
     field: str
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat messages render: the generation prompt, or continuing the last (assistant) message instead;
+    extra variables for the template (e.g. `enable_thinking`), as sorted (name, value) pairs."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class GenerationRequest:
     messages: tuple[dict[str, Any], ...] | None = None
     # Tool definitions handed to the chat template with the messages (OpenAI's `tools`, as the template reads them).
     tools: tuple[dict[str, Any], ...] | None = None
+    chat_options: ChatOptions = field(default_factory=ChatOptions)
     # Constrained decoding: every generated token keeps the output a prefix of this grammar's language.
     constraint: Constraint | None = None
     # The prompt as token ids, used exactly as given (no special tokens added); `prompt` is then None.
@@ -73,6 +88,8 @@ class PreparedJob:
     prompt_ids: tuple[int, ...]
     max_tokens: int  # resolved: the request's, or what the context leaves
     grammar: Any = None  # the compiled constraint (engine.grammar.CompiledGrammar), when the request has one
+    # BOS was put in front of token ids given without it: prompt_ids[0] is not the client's.
+    added_bos: bool = False
 
     def for_choice(self, job_id: str, sampling: SamplingParams) -> PreparedJob:
         """The same prompt as another job (one of an OpenAI request's n choices)."""

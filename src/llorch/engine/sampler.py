@@ -37,7 +37,7 @@ class SamplerState:
     """One sequence's sampler: parameters, random stream, and the history penalties read."""
 
     def __init__(self, params: SamplingParams, seed: int, prompt_ids: Sequence[int], vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, eos_ids: Sequence[int] = ()) -> None:
         self.params = params
         self.device = device
         self._stream = np.random.Generator(np.random.Philox(seed))
@@ -58,6 +58,15 @@ class SamplerState:
             ids, values = zip(*params.logit_bias, strict=True)
             self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
                          torch.tensor(values, dtype=torch.float32, device=device))
+        # min_tokens: the end-of-generation ids, masked until that many tokens are out.
+        self.generated = 0
+        self.eos: Tensor | None = None
+        if params.min_tokens > 0 and eos_ids:
+            self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+
+    @property
+    def eos_blocked(self) -> bool:
+        return self.eos is not None and self.generated < self.params.min_tokens
 
     @property
     def seen(self) -> Tensor | None:
@@ -69,6 +78,7 @@ class SamplerState:
 
     def accept(self, token_id: int) -> None:
         """Record a generated token in the history the penalties read."""
+        self.generated += 1
         if self._seen is not None:
             if self._seen_count == len(self._seen):
                 grown = torch.empty(2 * len(self._seen), dtype=torch.long, device=self.device)
@@ -133,7 +143,10 @@ def penalized(logits: Tensor, state: SamplerState) -> Tensor:
     if state.bias is not None:
         logits = logits.index_add(0, state.bias[0], state.bias[1].to(logits.dtype))
     logits = apply_repetition_penalty(logits, state.seen, state.params.repetition_penalty)
-    return apply_presence_frequency(logits, state.counts, state.params)
+    logits = apply_presence_frequency(logits, state.counts, state.params)
+    if state.eos_blocked:
+        logits = logits.index_fill(0, state.eos, float("-inf"))  # type: ignore[arg-type]
+    return logits
 
 
 def draw(probs: Tensor, uniform: float) -> Tensor:
@@ -193,4 +206,4 @@ def _argmax(logits: Tensor) -> Tensor:
 
 
 def _unpenalized(state: SamplerState) -> bool:
-    return state.seen is None and state.counts is None and state.bias is None
+    return state.seen is None and state.counts is None and state.bias is None and not state.eos_blocked

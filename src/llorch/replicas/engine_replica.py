@@ -46,7 +46,7 @@ class EngineReplica:
             message = failure_line(program, str(exc))
             log.error(message)
             raise ReplicaStartFailed(message) from None
-        self.app = RequestLimit(create_app(self.state, args.api_key), args.max_connections)
+        self.app = RequestLimit(create_app(self.state, args.api_key, args.cors_origins), args.max_connections)
         log.info("replica ready", extra={"replica": self.replica, "model": self.state.model})
 
     async def relay(self, request: RelayedRequest) -> AsyncIterator[RelayedStart | bytes]:

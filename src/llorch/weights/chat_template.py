@@ -29,12 +29,14 @@ class ChatTemplate:
         self.eos_token = eos_token
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[dict[str, Any]] | None = None) -> str:
-        """The prompt for `messages`; `tools` (OpenAI's function definitions) go to templates that read them."""
+               tools: Sequence[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> str:
+        """The prompt for `messages`; `tools` (OpenAI's function definitions) go to templates that read them;
+        `extra` are further template variables (a request's chat_template_kwargs), never replacing these."""
         uses_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
         if uses_tools and not self.reads_tools:
             messages, tools = as_plain_turns(list(messages), list(tools) if tools else None), None
         arguments = {
+            **(extra or {}),
             "messages": list(messages),
             "tools": list(tools) if tools else None,
             "add_generation_prompt": add_generation_prompt,

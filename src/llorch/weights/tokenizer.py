@@ -97,6 +97,14 @@ class Tokenizer:
         )
 
     @property
+    def leading_bos(self) -> int | None:
+        """BOS when the model starts every prompt with it (its tokenizer adds it), else None."""
+        if self.bos_token_id is None:
+            return None
+        return self.bos_token_id if self.backend.encode("a", add_special_tokens=True).ids[:1] == [
+            self.bos_token_id] else None
+
+    @property
     def eos_token_id(self) -> int | None:
         """The model's end-of-sequence token: the lowest end-of-generation id (end-of-turn ids come later)."""
         return min(self.eos_token_ids, default=None)
