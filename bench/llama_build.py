@@ -15,6 +15,7 @@ No network is used beyond the package index.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -85,9 +86,30 @@ def library_environment() -> dict[str, str]:
     return {**os.environ, "LD_LIBRARY_PATH": f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
 
 
+def preload_libraries(lib: Path) -> None:
+    """Load the build's shared libraries into this process, each before the ones that need it.
+
+    The libraries' RUNPATH points into the build tree, which is deleted once they are copied
+    here, and a running process cannot extend its own LD_LIBRARY_PATH: loaded first (globally),
+    each library is found by its soname when the next one asks for it.
+    """
+    pending = sorted(path for path in lib.glob("*.so*") if path.is_file())
+    while pending:
+        failed = []
+        for path in pending:
+            try:
+                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                failed.append(path)
+        if len(failed) == len(pending):
+            raise OSError(f"cannot load {', '.join(p.name for p in failed)} from {lib}")
+        pending = failed
+
+
 def bindings() -> ModuleType:
     """llama-cpp-python's Python package, loading this build's libllama."""
     home = ensure_build()
+    preload_libraries(home / "lib")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(home / "lib")
     if str(home / "python") not in sys.path:
         sys.path.insert(0, str(home / "python"))

@@ -16,7 +16,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 import uvicorn
@@ -167,34 +166,30 @@ def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) 
     state.attach(engine)
 
 
-async def in_passing_thread(function: Callable[..., None], *args: object) -> None:
-    """Run `function` in a thread of its own that ends with it.
+def load_in_passing_thread(args: argparse.Namespace, backend: Backend, state: WorkerState) -> None:
+    """load_engine in a thread of its own that ends with it (its errors raised here).
 
     Loading runs OpenMP regions (torch's, the kernels' repacking); OpenMP keeps a pool of
-    threads for every thread that ran one, for as long as that thread lives. Had an executor
+    threads for every thread that ran one, for as long as that thread lives. Had a long-lived
     thread loaded the model, its idle pool would outlive the load, and with more OpenMP
     threads than cores the runtime stops spinning at its barriers and sleeps instead: each
     decode step, run on the engine thread with a pool of its own, took twice as long
     (about 10 ms more per token on the default model with 2 threads on 2 cores). A thread that
     ends takes its pool with it.
     """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
+    failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            function(*args)
-        except BaseException as exc:  # handed to the awaiting task
-            loop.call_soon_threadsafe(done.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(done.set_result, None)
+            load_engine(args, backend, state)
+        except BaseException as exc:  # raised again in the caller's thread
+            failure.append(exc)
 
     thread = threading.Thread(target=run, name="llorch-load", daemon=True)
     thread.start()
-    try:
-        await done
-    finally:
-        await asyncio.to_thread(thread.join)
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 class Lifecycle:
@@ -229,7 +224,7 @@ class Lifecycle:
             log.warning("listening beyond loopback", extra={"host": args.host, "auth": bool(args.api_key)})
 
         try:
-            await in_passing_thread(load_engine, args, self.backend, self.state)
+            await asyncio.to_thread(load_in_passing_thread, args, self.backend, self.state)
         except StartupError as exc:
             report_failure(self.program, str(exc))
             await self.stop_server(task)

@@ -23,7 +23,7 @@ from llorch.api.state import WorkerState
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
 from llorch.replicas.relay import RelayedRequest, RelayedStart, answer_in_process
-from llorch.workers import build_parser, failure_line, load_engine, open_backend
+from llorch.workers import build_parser, failure_line, load_in_passing_thread, open_backend
 
 log = logging.getLogger("llorch.replicas")
 
@@ -41,7 +41,7 @@ class EngineReplica:
         try:
             backend = open_backend(backend_name, args)
             self.state = WorkerState(backend=backend.name, device=str(backend.device))
-            load_engine(args, backend, self.state)
+            load_in_passing_thread(args, backend, self.state)
         except StartupError as exc:
             message = failure_line(program, str(exc))
             log.error(message)
