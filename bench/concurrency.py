@@ -77,8 +77,9 @@ def llorch_job(http: httpx.Client, prompt: str, max_tokens: int, job_id: str) ->
 
 
 def llama_job(http: httpx.Client, prompt: str, max_tokens: int, job_id: str) -> tuple[float, int]:
+    # Tokens, not text, mark the first arrival: a chunk whose text is unfinished has empty content.
     body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "stream": True,
-            "cache_prompt": False}
+            "cache_prompt": False, "return_tokens": True}
     sent = time.perf_counter()
     first, tokens = float("nan"), 0
     with http.stream("POST", "/completion", json=body) as response:
@@ -87,7 +88,7 @@ def llama_job(http: httpx.Client, prompt: str, max_tokens: int, job_id: str) -> 
             if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
-            if event.get("content") and first != first:
+            if event.get("tokens") and first != first:
                 first = time.perf_counter() - sent
             if event.get("stop"):
                 tokens = event.get("tokens_predicted") or event.get("timings", {}).get("predicted_n", 0)

@@ -87,13 +87,16 @@ def library_environment() -> dict[str, str]:
 
 
 def preload_libraries(lib: Path) -> None:
-    """Load the build's shared libraries into this process, each before the ones that need it.
+    """Load ggml's shared libraries into this process, each before the ones that need it.
 
     The libraries' RUNPATH points into the build tree, which is deleted once they are copied
-    here, and a running process cannot extend its own LD_LIBRARY_PATH: loaded first (globally),
-    each library is found by its soname when the next one asks for it.
+    here, and a running process cannot extend its own LD_LIBRARY_PATH: loaded first (globally,
+    from the files named by their sonames), each is found by its soname when libllama, which
+    the bindings load themselves, asks for it. Each library is loaded once: two copies of one
+    library in a process free their globals twice at exit.
     """
-    pending = sorted(path for path in lib.glob("*.so*") if path.is_file())
+    pending = sorted(path for path in lib.glob("libggml*.so.*") if path.suffixes[-1][1:].isdigit()
+                     and len(path.suffixes) == 2)
     while pending:
         failed = []
         for path in pending:
