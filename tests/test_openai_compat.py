@@ -226,6 +226,15 @@ def test_parallel_tool_calls_end_the_turn_with_its_calls_and_no_marker_text(clie
     assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == calls
 
 
+def test_auto_tool_choice_may_answer_in_text_without_call_markers(client: openai.OpenAI, model_id: str) -> None:
+    answer = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Tell me a joke about cats."}], tools=[WEATHER],
+        tool_choice="auto", max_tokens=24, temperature=0)
+    message = answer.choices[0].message
+    assert message.content and not message.tool_calls  # the default model answers this one in text
+    assert "<tool_call>" not in message.content  # text can never hold the call marker
+
+
 def test_legacy_functions_are_answered_with_a_function_call(worker: Worker) -> None:
     functions = [{"name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
     answer = chat(worker, functions=functions, function_call={"name": "get_weather"}, max_tokens=40,
