@@ -1,16 +1,19 @@
 """Hostile model files cost nothing: each is refused by a real worker in one line, at once.
 
-Every file here is a tiny valid GGUF (tests/tiny_model.py) with one thing made wrong, as
-an attacker or a careless conversion tool would: absurd counts that used to allocate
-gigabytes, values of the wrong type, overlapping or repeated tensors, vocabularies built
-to make tokenizer recovery explode, megabyte names, inconsistent sizes, and paths that
-are not regular files.
+Every file here is a tiny valid GGUF (tests/tiny_model.py) or Hugging Face directory with one
+thing made wrong, as an attacker or a careless conversion tool would: absurd counts that used
+to allocate gigabytes (many of them in sparse files, which claim gigabytes at no cost on disk),
+values of the wrong type, overlapping or repeated tensors, vocabularies built to make tokenizer
+recovery explode, megabyte names, inconsistent sizes, and paths that are not regular files.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,14 +25,25 @@ from conftest import assert_one_line_failure, run_worker_to_exit
 from hostile_files import (
     ARRAY,
     F32,
+    F32_TENSOR,
     F64,
     I32,
     Q8_0_TENSOR,
     STRING,
+    U8,
     U64,
     GGUFParts,
+    SafeTensor,
+    Tensor,
+    Zeros,
     q8_0_bytes,
     tiny_gemma3_parts,
+    tiny_llama_config,
+    tiny_llama_tensors,
+    tokenizer_json,
+    write_safetensors,
+    write_sparse,
+    write_tiny_llama_dir,
 )
 
 pytestmark = pytest.mark.cpu
@@ -250,3 +264,195 @@ def test_a_hostile_chat_template_costs_one_400_each(parts: GGUFParts, tmp_path: 
             assert served["status"] == 200 and served["choices"], served
     finally:
         stop_worker(worker)
+
+
+# -- sizes read from a file are checked before anything proportional to them is spent ---------------------
+#
+# Each file below claims a size (an array's count, a tensor's elements, a header's or a JSON file's
+# bytes) far beyond what the model needs. The loader runs in a process of its own, so its peak
+# memory (VmHWM) is this file's cost alone, measured against a pristine model's.
+
+# What refusing (or skipping) a hostile claim may cost beyond loading the pristine tiny model.
+HOSTILE_EXTRA_BYTES = 256 << 20
+LOAD_AND_MEASURE = """
+import json, sys
+import torch
+from llorch.errors import ModelFileError
+from llorch.weights.loader import load_model
+try:
+    load_model(sys.argv[1], torch.device("cpu"), torch.float32, keep_quantized=True)
+    outcome = "loaded"
+except ModelFileError as exc:
+    outcome = str(exc)
+status = open("/proc/self/status").read().split("VmHWM:")[1].split()
+print(json.dumps({"outcome": outcome, "peak_bytes": int(status[0]) * 1024}))
+"""
+
+
+def load_and_measure(path: Path) -> tuple[str, int]:
+    """The loader's verdict on `path` ("loaded" or the refusal's line) and its process's peak memory."""
+    result = subprocess.run([sys.executable, "-c", LOAD_AND_MEASURE, str(path)], capture_output=True, text=True,
+                            timeout=REFUSAL_SECONDS)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    return answer["outcome"], answer["peak_bytes"]
+
+
+@pytest.fixture(scope="module")
+def pristine_peak(tmp_path_factory: pytest.TempPathFactory) -> int:
+    """Peak memory of loading the pristine tiny models (the larger of the GGUF and the directory)."""
+    workdir = tmp_path_factory.mktemp("pristine")
+    peaks = []
+    for path in (tiny_gemma3_parts(workdir).write(workdir / "model.gguf"), write_tiny_llama_dir(workdir / "dir")):
+        outcome, peak = load_and_measure(path)
+        assert outcome == "loaded", outcome
+        peaks.append(peak)
+    return max(peaks)
+
+
+def cheaply(pristine_peak: int, path: Path, *fragments: str, extra: int = HOSTILE_EXTRA_BYTES) -> str:
+    """The loader's outcome on `path`, after checking it names every fragment and cost at most `extra` bytes."""
+    outcome, peak = load_and_measure(path)
+    for fragment in fragments:
+        assert fragment in outcome, outcome
+    assert peak - pristine_peak < extra, (outcome, peak, pristine_peak)
+    return outcome
+
+
+def test_rope_freqs_of_four_million_factors(parts: GGUFParts, tmp_path: Path) -> None:
+    """Its element count is compared with head_dim / 2 from the header, before one value is read."""
+    parts.tensors.append(Tensor("rope_freqs.weight", (1 << 22,), F32_TENSOR, Zeros(4 << 22)))
+    refused(parts.write(tmp_path / "rope.gguf"), "rope_freqs has 4194304 factors, expected 8")
+
+
+def test_an_unused_array_of_two_billion_bytes_costs_nothing(parts: GGUFParts, tmp_path: Path,
+                                                            pristine_peak: int) -> None:
+    """A numeric array no one reads stays in the file: the model loads as if it were not there."""
+    path = parts.set("general.padding", ARRAY, (U8, Zeros(1 << 31))).write(tmp_path / "unused.gguf")
+    assert cheaply(pristine_peak, path) == "loaded"
+
+
+@pytest.mark.parametrize(("key", "element", "count", "fragments"), [
+    ("tokenizer.ggml.token_type", I32, 1 << 27, ("tokenizer.ggml.token_type holds 134217728 values",
+                                                  "at most 1048576")),
+    ("tokenizer.ggml.scores", F32, 1 << 27, ("tokenizer.ggml.scores holds 134217728 values",)),
+    ("tokenizer.ggml.tokens", STRING, 1 << 26, ("tokenizer.ggml.tokens holds 67108864 strings", "at most 1048576")),
+    ("tokenizer.ggml.merges", STRING, 1 << 26, ("tokenizer.ggml.merges holds 67108864 strings", "at most 2097152")),
+    ("general.padding", STRING, 1 << 26, ("general.padding holds 67108864 strings", "at most 65536")),
+], ids=["token-types", "scores", "tokens", "merges", "unused-strings"])
+def test_arrays_longer_than_any_vocabulary(parts: GGUFParts, tmp_path: Path, pristine_peak: int, key: str,
+                                           element: int, count: int, fragments: tuple[str, ...]) -> None:
+    """Counted against the vocabulary's bound before an element is read (empty strings in a sparse file)."""
+    path = parts.set(key, ARRAY, (element, Zeros(count))).write(tmp_path / "array.gguf")
+    cheaply(pristine_peak, path, str(path), "corrupt GGUF", *fragments)
+
+
+def test_a_token_type_array_that_does_not_match_the_vocabulary(parts: GGUFParts, tmp_path: Path) -> None:
+    path = parts.set("tokenizer.ggml.token_type", ARRAY, (I32, [1] * 5)).write(tmp_path / "types.gguf")
+    refused(path, "tokenizer.ggml.token_type holds 5 values for 279 tokens")
+
+
+def test_a_one_gigabyte_chat_template(parts: GGUFParts, tmp_path: Path, pristine_peak: int) -> None:
+    path = parts.set("tokenizer.chat_template", STRING, Zeros(1 << 30)).write(tmp_path / "template.gguf")
+    cheaply(pristine_peak, path, "tokenizer.chat_template is 1073741824 bytes long", "at most 4194304")
+
+
+def test_more_metadata_entries_than_any_model_has(parts: GGUFParts, tmp_path: Path, pristine_peak: int) -> None:
+    path = parts.write(tmp_path / "entries.gguf")
+    with path.open("r+b") as handle:
+        handle.seek(16)  # the metadata count, after the magic, the version and the tensor count
+        handle.write((1 << 24).to_bytes(8, "little"))
+        handle.truncate(1 << 28)  # room enough for the claim
+    cheaply(pristine_peak, path, "16777216 metadata entries", "at most 65536")
+
+
+def test_a_gigabyte_norm_is_refused_by_its_shape(parts: GGUFParts, tmp_path: Path, pristine_peak: int) -> None:
+    """Tensor shapes are compared with the config's before a tensor is read or dequantized."""
+    norm = parts.tensor("output_norm.weight")
+    norm.shape, norm.data = (1 << 28,), Zeros(1 << 30)
+    path = parts.write(tmp_path / "norm.gguf")
+    cheaply(pristine_peak, path, "weight norm.weight has shape (268435456,), the config implies (32,)")
+
+
+# -- Hugging Face directories -------------------------------------------------------------------
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_tiny_llama_dir(tmp_path / "model")
+
+
+def test_the_pristine_directory_loads(model_dir: Path) -> None:
+    """The directory writer is sound, so each refusal below is caused by the one thing it breaks."""
+    import torch
+
+    from llorch.weights.loader import load_model
+
+    loaded = load_model(model_dir, torch.device("cpu"), torch.float32)
+    assert loaded.config.num_layers == 1 and loaded.tokenizer.backend.get_vocab_size() == 30
+
+
+def junk_json(document: dict[str, object], size: int) -> str:
+    """`document` with a key of junk numbers making it `size` bytes or more (valid JSON throughout)."""
+    return json.dumps({**document, "junk": [0] * (size // 3)})
+
+
+def test_a_config_of_sixteen_megabytes(model_dir: Path) -> None:
+    """A real config.json is a few kilobytes: a large one is refused before it is parsed."""
+    (model_dir / "config.json").write_text(junk_json(tiny_llama_config(), 16 << 20))
+    result = run_worker_to_exit("--model", str(model_dir), timeout=REFUSAL_SECONDS)
+    assert_one_line_failure(result, str(model_dir / "config.json"), "a config.json may have at most 1048576")
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer_config.json"])
+def test_side_files_of_sixteen_megabytes(model_dir: Path, pristine_peak: int, name: str) -> None:
+    (model_dir / name).write_text(junk_json({}, 16 << 20))
+    cheaply(pristine_peak, model_dir, str(model_dir / name), f"a {name} may have at most")
+
+
+def test_a_sparse_tokenizer_of_one_and_a_half_gigabytes(model_dir: Path, pristine_peak: int) -> None:
+    file = model_dir / "tokenizer.json"
+    write_sparse(file, [tokenizer_json(["<unk>"]).encode(), Zeros(3 << 29)])
+    cheaply(pristine_peak, model_dir, str(file), f"is {file.stat().st_size} bytes", "at most 67108864")
+
+
+def test_a_tokenizer_of_two_and_a_half_million_tokens(model_dir: Path, pristine_peak: int) -> None:
+    """Counted (as the strings it holds) before `tokenizers` builds it: it is never built."""
+    (model_dir / "tokenizer.json").write_text(tokenizer_json(f"{i:x}" for i in range(5 << 19)))
+    cheaply(pristine_peak, model_dir, str(model_dir / "tokenizer.json"), "strings; a tokenizer of at most 1048576 "
+            "tokens may hold")
+
+
+def test_a_tokenizer_of_more_tokens_than_allowed(model_dir: Path, pristine_peak: int) -> None:
+    """Few enough strings to be built (costing what Gemma 3's real tokenizer does), too many tokens to be
+    served: refused before the vocabulary becomes Python objects, which used to cost 600 MB more."""
+    (model_dir / "tokenizer.json").write_text(tokenizer_json(f"{i:x}" for i in range((1 << 20) + 1)))
+    cheaply(pristine_peak, model_dir, str(model_dir / "tokenizer.json"),
+            "holds 1048577 tokens; at most 1048576 are allowed", extra=400 << 20)
+
+
+def test_safetensors_of_eighty_thousand_tensors(model_dir: Path, pristine_peak: int) -> None:
+    tensors = {**tiny_llama_tensors(), **{f"extra.{i}": SafeTensor("F32", (1,)) for i in range(80_000)}}
+    file = write_safetensors(model_dir / "model.safetensors", tensors)
+    cheaply(pristine_peak, model_dir, str(file), "describes more than 65536 tensors")
+
+
+def test_a_safetensors_header_of_ninety_megabytes(model_dir: Path, pristine_peak: int) -> None:
+    file = write_safetensors(model_dir / "model.safetensors", tiny_llama_tensors(), header_padding=90 << 20)
+    cheaply(pristine_peak, model_dir, str(file), "has a header of", "at most 8388608 are read")
+
+
+def test_f64_safetensors_are_refused_by_name(model_dir: Path) -> None:
+    """README lists F32, F16 and BF16; a float64 checkpoint is refused, not silently converted."""
+    tensors = tiny_llama_tensors()
+    tensors["model.norm.weight"] = SafeTensor("F64", (32,))
+    file = write_safetensors(model_dir / "model.safetensors", tensors)
+    result = run_worker_to_exit("--model", str(model_dir), timeout=REFUSAL_SECONDS)
+    assert_one_line_failure(result, str(file), "tensor model.norm.weight has dtype F64, which is not supported",
+                            "BF16, F16, F32")
+
+
+def test_a_gigabyte_safetensors_norm_is_refused_by_its_shape(model_dir: Path, pristine_peak: int) -> None:
+    tensors = tiny_llama_tensors()
+    tensors["model.norm.weight"] = SafeTensor("F32", (1 << 28,), Zeros(1 << 30))
+    write_safetensors(model_dir / "model.safetensors", tensors)
+    cheaply(pristine_peak, model_dir, "weight norm.weight has shape (268435456,), the config implies (32,)")

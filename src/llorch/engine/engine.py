@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from llorch.engine.errors import DuplicateJob, QueueFull
-from llorch.engine.grammar import Grammars
+from llorch.engine.grammar import KIND_NAMES, Grammars, engine_message, explained
 from llorch.engine.kv.blocks import BlockPool
 from llorch.engine.masks import GrammarMasks, PendingMasks
 from llorch.engine.output import OutputProcessor, SequenceOutput
@@ -367,7 +367,9 @@ class Engine:
         if seq.matcher is None:
             return None
         if not seq.matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar refused token {token_id}: {seq.matcher.get_error()}")
+            kind = KIND_NAMES[seq.grammar.constraint.kind]
+            raise RuntimeError(f"the {kind} refused token {token_id}: "
+                               f"{explained(kind, engine_message(seq.matcher.get_error()))}")
         return StopReason.EOS if seq.matcher.is_stopped() else None
 
     def _sample_alone(self, seq: Sequence, logits: Tensor) -> Sampled | None:

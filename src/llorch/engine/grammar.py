@@ -7,57 +7,89 @@ a few hundredths of a millisecond for either (xgrammar about 5 us, llguidance ab
 about 1 ms where xgrammar took 90 ms, accepts Lark grammars and regular expressions
 natively, and needs neither transformers nor triton at run time.
 
-The library's view of the vocabulary (a token trie) is built once, on the first
-constrained request, never on the start-up path: 1.5 s and a few MB
-at 262k tokens when it is handed each token's bytes (`token_bytes`), where letting
-it parse the tokenizer's JSON again took 3 s and kept a second tokenizer of 134 MB.
+The library's view of the vocabulary (a token trie, and sub-tries for JSON strings) is
+built once, on the first constrained request (a request thread), never on the start-up
+path: 1-2 s and about 120 MB resident at 262k tokens when it is handed each token's bytes
+(`token_bytes`), where letting it parse the tokenizer's JSON again took 3 s and kept a
+second tokenizer of 134 MB. llguidance's constructor holds the GIL throughout (about 1 s
+of it), so /health can wait that long, once.
 
-Compilation is bounded by the parser limits below (time as lexer fuel, memory as
-lexer states and grammar size) and by MAX_GRAMMAR_BYTES on the source; compiled
-grammars are cached by content.
+A grammar is a program, and a short one can be expensive: `b{1000}{1000}` is 13 bytes and
+forces a million bytes, one lexer state each (300 MB and seconds, before these bounds).
+So every compilation is bounded:
+- by the parser limits below, which llguidance enforces itself (lexer fuel, lexer states,
+  grammar size), at compile time and at every later step;
+- by a probe before the job starts: the first PROBE_STEPS masks are computed and a token
+  consumed after each, so a grammar that breaks a limit in its first tokens (where the
+  library notices forced bytes running out of fuel) is a 400 naming its field, not an
+  error in the middle of a stream;
+- one grammar compiles at a time, so a burst of expensive grammars never adds up, and
+  the memory a refused one took goes back to the system at once.
+Compiled grammars are cached by content, within CACHE_BYTES of the memory each took to
+compile (the growth of the allocator's bytes in use while it compiled, all threads
+counted: an estimate) and at most CACHED_GRAMMARS of them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper
 
 from llorch.engine.errors import RequestRejected
 from llorch.engine.json_bounds import JSON_OPTIONS, bounded
 from llorch.engine.request import Constraint
+from llorch.memory import release_freed_memory
 from llorch.weights.tokenizer import SPACE_MARK, Tokenizer
 
 MAX_GRAMMAR_BYTES = 64 * 1024
 CACHED_GRAMMARS = 128
-# Bounds on one grammar's compilation and per-token work (llguidance's own units: fuel is
-# roughly 50k per ms of lexer construction; a lexer state costs 1-2 kB).
-LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_lexer_states=100_000,
-              max_grammar_size=200_000)
+CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse, by the memory each took to compile
+# Bounds on one grammar's compilation and per-token work, in llguidance's own units. Lexer fuel
+# is spent building regex derivatives, and a grammar that forces bytes turns it into memory:
+# about 150 bytes a unit (with 2M, `b{1000}{1000}` took 330 MB and 1.5 s). So the fuel a grammar
+# gets grows with its own size: a 63 KB JSON schema of 260 nested objects needed between 300k
+# and 600k; a padded 64 KiB bomb at the cap peaks about 160 MB. A lexer state costs 1-2 kB.
+LIMITS = dict(step_lexer_fuel=200_000, max_lexer_states=50_000, max_grammar_size=200_000)
+BASE_LEXER_FUEL = 100_000
+LEXER_FUEL_PER_BYTE = 10  # of the compiled grammar's text (a JSON schema's, after json_bounds spells it out)
+MAX_LEXER_FUEL = 800_000
+PROBE_STEPS = 4
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A validated grammar and a matcher at its start, copied for every job that uses it."""
+    """A validated grammar and a matcher at its start, copied for every job that uses it.
+
+    `nbytes` is the memory compiling it took, as measured (the lexer's tables, the parser).
+    """
 
     constraint: Constraint
     prototype: LLMatcher
+    nbytes: int = 0
 
     def matcher(self) -> LLMatcher:
         return self.prototype.deep_copy()
 
 
 class Grammars:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
+        self._cache_budget = cache_bytes
         self._vocab_size = vocab_size
         self._ll_tokenizer: LLTokenizer | None = None
         self._build_lock = threading.Lock()
+        self._compile_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._cached_bytes = 0
 
     @property
     def ll_tokenizer(self) -> LLTokenizer:
@@ -67,28 +99,63 @@ class Grammars:
                 self._ll_tokenizer = ll_tokenizer(self._tokenizer, self._vocab_size)
             return self._ll_tokenizer
 
+    @property
+    def cached_bytes(self) -> int:
+        """The memory the cached grammars took to compile, as measured."""
+        with self._cache_lock:
+            return self._cached_bytes
+
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         """The constraint compiled for this tokenizer; RequestRejected naming its field when it cannot be."""
         key = (constraint.kind, constraint.source)
-        with self._cache_lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        compiled = CompiledGrammar(constraint, self._matcher(constraint))
-        with self._cache_lock:
-            self._cache[key] = compiled
-            while len(self._cache) > CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+        compiled = self._lookup(key)
+        if compiled is not None:
+            return compiled
+        tokenizer = self.ll_tokenizer
+        with self._compile_lock:  # one at a time: each is measured alone, and expensive ones never stack up
+            compiled = self._lookup(key)  # compiled for another request while this one waited
+            if compiled is not None:
+                return compiled
+            before = heap_bytes()
+            try:
+                matcher = self._matcher(constraint, tokenizer)
+            except RequestRejected:
+                release_freed_memory()  # what the refused grammar took goes back to the system now
+                raise
+            compiled = CompiledGrammar(constraint, matcher, max(heap_bytes() - before, 0))
+            self._store(key, compiled)
         return compiled
 
-    def _matcher(self, constraint: Constraint) -> LLMatcher:
-        def reject(message: str) -> RequestRejected:
-            return RequestRejected(constraint.field, f"a valid {KIND_NAMES[constraint.kind]}", message,
-                                   code="invalid_grammar")
+    def _lookup(self, key: tuple[str, str]) -> CompiledGrammar | None:
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            return compiled
 
-        if len(constraint.source.encode()) > MAX_GRAMMAR_BYTES:
-            raise reject(f"the {KIND_NAMES[constraint.kind]} is {len(constraint.source.encode())} bytes; "
-                         f"at most {MAX_GRAMMAR_BYTES} are accepted")
+    def _store(self, key: tuple[str, str], compiled: CompiledGrammar) -> None:
+        """Keep `compiled`, evicting the least recently used grammars beyond the byte budget or CACHED_GRAMMARS.
+
+        A grammar bigger than the whole budget is not kept: its memory goes with its last job.
+        """
+        if compiled.nbytes > self._cache_budget:
+            return
+        with self._cache_lock:
+            self._cache[key] = compiled
+            self._cached_bytes += compiled.nbytes
+            while len(self._cache) > CACHED_GRAMMARS or self._cached_bytes > self._cache_budget:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
+
+    def _matcher(self, constraint: Constraint, tokenizer: LLTokenizer) -> LLMatcher:
+        kind = KIND_NAMES[constraint.kind]
+
+        def reject(message: str) -> RequestRejected:
+            return RequestRejected(constraint.field, f"a valid {kind}", message, code="invalid_grammar")
+
+        size = len(constraint.source.encode())
+        if size > MAX_GRAMMAR_BYTES:
+            raise reject(f"the {kind} is {size} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
         try:
             if constraint.kind == "json_schema":
                 schema = json.loads(constraint.source)
@@ -100,17 +167,95 @@ class Grammars:
             else:
                 grammar = LLMatcher.grammar_from_lark(constraint.source)
         except (ValueError, TypeError) as exc:
-            raise reject(str(exc)) from exc
-        limits = LLParserLimits(**LIMITS, verbose_errors=False)
-        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
-        if matcher.is_error():
-            raise reject(_one_line(matcher.get_error()))
-        # A grammar whose language is empty cannot produce even its first token.
-        if not matcher.is_accepting() and not any(matcher.compute_bitmask()):
-            raise reject("no output satisfies it")
-        if matcher.is_error():
-            raise reject(_one_line(matcher.get_error()))
+            raise reject(engine_message(str(exc))) from exc
+        limits = LLParserLimits(**LIMITS, initial_lexer_fuel=lexer_fuel(grammar), verbose_errors=False)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        problem = probe(matcher, self._tokenizer.eos_token_ids)
+        if problem is not None:
+            del matcher  # its memory goes now, not when the exception's traceback does
+            raise reject(problem if problem == NO_OUTPUT else explained(kind, problem))
         return matcher
+
+
+NO_OUTPUT = "no output satisfies it"
+
+
+def lexer_fuel(grammar: str) -> int:
+    """The lexer fuel a grammar gets to compile: bounded by its own size, and by MAX_LEXER_FUEL."""
+    return min(BASE_LEXER_FUEL + LEXER_FUEL_PER_BYTE * len(grammar), MAX_LEXER_FUEL)
+
+
+def probe(matcher: LLMatcher, eos: Iterable[int]) -> str | None:
+    """Why `matcher` cannot serve a job, or None. Its first PROBE_STEPS masks are computed and one
+    allowed token consumed after each (the lowest id that does not end the output), then it is
+    reset: a grammar that breaks a limit in its first tokens breaks it here.
+
+    The steps matter: `b{1000}{1000}` forces a million bytes, and the library notices it ran out
+    of fuel only when a token is consumed. The lexer states the probe builds stay in the lexer
+    the jobs share: it is also a warm-up.
+    """
+    for step in range(PROBE_STEPS):
+        if matcher.is_error() or (step > 0 and matcher.is_stopped()):
+            break
+        mask = bytearray(matcher.compute_bitmask())
+        if matcher.is_error():
+            break
+        if step == 0 and not matcher.is_accepting() and not any(mask):
+            return NO_OUTPUT  # its language is empty: not even a first token
+        for token_id in eos:
+            if token_id // 8 < len(mask):
+                mask[token_id // 8] &= ~(1 << token_id % 8) & 0xFF
+        token_id = first_set_bit(mask)
+        if token_id is None:
+            break
+        matcher.consume_token(token_id)
+    if matcher.is_error():
+        return engine_message(matcher.get_error())
+    matcher.reset()
+    return None
+
+
+def explained(kind: str, message: str) -> str:
+    """The engine's message, and what it means when it names one of the limits."""
+    if any(word in message.lower() for word in ("too many", "fuel", "too big", "limit")):
+        return (f"the {kind} is too complex for the grammar limits ({message}); nested repetition such as "
+                "a{1000}{1000} multiplies")
+    return message
+
+
+def first_set_bit(mask: bytes | bytearray) -> int | None:
+    """The lowest token id a bitmask allows (one bit per id, least significant bit first), or None."""
+    zeros = len(mask) - len(bytes(mask).lstrip(b"\x00"))
+    if zeros == len(mask):
+        return None
+    byte = mask[zeros]
+    return zeros * 8 + (byte & -byte).bit_length() - 1
+
+
+def heap_bytes() -> int:
+    """Bytes the C allocator has handed out and not had back, all threads together (glibc's
+    mallinfo2); 0 where the allocator cannot say."""
+    if _mallinfo2 is None:
+        return 0
+    info = _mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _load_mallinfo2() -> Any:
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+_mallinfo2 = _load_mallinfo2()
 
 
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
@@ -175,9 +320,10 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "lark": "Lark grammar"}
+_MARKUP = re.compile(r"<[a-z][a-z-]*/>")  # the engine's tags, such as <non-verbose/>
 
 
-def _one_line(message: str) -> str:
-    """The library's message, on one line (a regex error spans several)."""
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+def engine_message(message: str) -> str:
+    """The grammar engine's message on one line, without its markup (a regex error spans several lines)."""
+    lines = [line.strip() for line in _MARKUP.sub("", message).strip().splitlines() if line.strip()]
     return " ".join(lines[:4]) if lines else "the grammar does not compile"

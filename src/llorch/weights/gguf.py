@@ -4,7 +4,9 @@ We parse the header ourselves instead of using `gguf.GGUFReader` for two reasons
 - speed: that reader builds one numpy view per string, which takes ~12 s for a
   262k-token vocabulary; this reader takes a fraction of a second;
 - strictness: a model file is untrusted input, so every count, length, shape and
-  offset is checked against the file size before anything is allocated or read.
+  offset is checked against the file size and `limits` before anything is allocated
+  or read. Numeric arrays stay views of the mapped file: one no one reads costs nothing,
+  whatever count it claims.
 The `gguf` package still supplies the format's constants and the reference
 dequantizers for the block types.
 """
@@ -23,6 +25,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from llorch.errors import ModelFileError
+from llorch.weights import limits
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -56,6 +59,7 @@ _SCALAR_FORMATS: dict[int, tuple[str, np.dtype]] = {
 }
 _STRING = 8
 _ARRAY = 9
+_LENGTH = struct.Struct("<Q")  # a string's length
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class GGUFFile:
         except (OSError, ValueError) as exc:
             raise ModelFileError(self.path, f"cannot be memory-mapped ({exc})") from exc
         self._pos = 0
+        self._array_text_left = limits.MAX_METADATA_ARRAY_BYTES
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, GGUFTensorInfo] = {}
         if table is None:
@@ -104,41 +109,88 @@ class GGUFFile:
     def _fail(self, problem: str) -> ModelFileError:
         return ModelFileError(self.path, f"corrupt GGUF: {problem}")
 
-    def _take(self, n: int, what: str) -> bytes:
+    def _skip(self, n: int, what: str) -> int:
+        """Where the next `n` bytes start; the cursor moves past them (nothing is read)."""
         if n < 0 or self._pos + n > self.size:
             raise self._fail(f"{what} runs past the end of the file (offset {self._pos}, {n} bytes)")
-        chunk = self._map[self._pos : self._pos + n]
+        start = self._pos
         self._pos += n
-        return chunk
+        return start
+
+    def _take(self, n: int, what: str) -> bytes:
+        start = self._skip(n, what)
+        return self._map[start : start + n]
 
     def _unpack(self, fmt: str, what: str) -> Any:
         return struct.unpack(fmt, self._take(struct.calcsize(fmt), what))[0]
 
-    def _string(self, what: str) -> str:
+    def _string(self, what: str, limit: int) -> str:
+        """A string of at most `limit` bytes: its length is checked before its bytes are copied
+        (a sparse file can claim gigabytes at no cost on disk)."""
         length = self._unpack("<Q", f"{what} length")
-        raw = self._take(length, what)
+        start = self._skip(length, what)
+        if length > limit:
+            raise self._fail(f"{what} is {length} bytes long; at most {limit} are read")
         try:
-            return raw.decode("utf-8")
+            return self._map[start : start + length].decode("utf-8")
         except UnicodeDecodeError as exc:
             raise self._fail(f"{what} is not UTF-8") from exc
+
+    def _strings(self, key: str, count: int) -> list[str]:
+        """A string array: its count bounded by what the key may hold, and the text of all
+        string arrays together by MAX_METADATA_ARRAY_BYTES, before any element is read."""
+        limit = limits.VOCABULARY_ARRAYS.get(key, limits.MAX_METADATA_ARRAY_STRINGS)
+        # Every string needs at least its 8-byte length: reject absurd counts up front.
+        if count * 8 > self.size - self._pos:
+            raise self._fail(f"{key} claims {count} strings, more than the file can hold")
+        if count > limit:
+            raise self._fail(f"metadata {key} holds {count} strings; at most {limit} are read")
+        # The loop of a 262k vocabulary: locals and unpack_from, no method call per string.
+        data, size, pos, left, strings = self._map, self.size, self._pos, self._array_text_left, []
+        try:
+            for _ in range(count):
+                (length,) = _LENGTH.unpack_from(data, pos)  # in the file: the count check above covers it
+                pos += 8
+                if pos + length > size:
+                    raise self._fail(f"{key} runs past the end of the file (offset {pos}, {length} bytes)")
+                left -= length
+                if left < 0:
+                    raise self._fail(f"the strings of the metadata arrays exceed {limits.MAX_METADATA_ARRAY_BYTES} "
+                                     f"bytes (at {key})")
+                strings.append(data[pos : pos + length].decode("utf-8"))
+                pos += length
+        except struct.error as exc:
+            raise self._fail(f"{key} runs past the end of the file (offset {pos})") from exc
+        except UnicodeDecodeError as exc:
+            raise self._fail(f"{key} is not UTF-8") from exc
+        self._pos, self._array_text_left = pos, left
+        return strings
+
+    def _numbers(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        """A numeric array as a read-only view of the mapped file: nothing is copied, so an array
+        no one reads costs nothing; those the vocabulary sizes are bounded like the vocabulary."""
+        start = self._skip(count * dtype.itemsize, key)
+        limit = limits.VOCABULARY_ARRAYS.get(key)
+        if limit is not None and count > limit:
+            raise self._fail(f"metadata {key} holds {count} values; at most {limit} are read")
+        if count == 0:
+            return np.empty(0, dtype=dtype)
+        values = np.frombuffer(self._map, dtype=dtype, count=count, offset=start)
+        values.flags.writeable = False
+        return values
 
     def _value(self, vtype: int, key: str) -> Any:
         if vtype in _SCALAR_FORMATS:
             return self._unpack(_SCALAR_FORMATS[vtype][0], key)
         if vtype == _STRING:
-            return self._string(key)
+            return self._string(key, limits.MAX_METADATA_STRING_BYTES)
         if vtype == _ARRAY:
             etype = self._unpack("<I", f"{key} element type")
             count = self._unpack("<Q", f"{key} element count")
             if etype in _SCALAR_FORMATS:
-                dtype = _SCALAR_FORMATS[etype][1]
-                raw = self._take(count * dtype.itemsize, key)
-                return np.frombuffer(raw, dtype=dtype).copy()
+                return self._numbers(key, _SCALAR_FORMATS[etype][1], count)
             if etype == _STRING:
-                # Every string needs at least its 8-byte length: reject absurd counts up front.
-                if count * 8 > self.size - self._pos:
-                    raise self._fail(f"{key} claims {count} strings, more than the file can hold")
-                return [self._string(key) for _ in range(count)]
+                return self._strings(key, count)
             raise self._fail(f"{key} has unsupported array element type {etype}")
         raise self._fail(f"{key} has unknown value type {vtype}")
 
@@ -153,8 +205,12 @@ class GGUFFile:
         # Each entry needs at least a few bytes; this bounds loops on crafted counts.
         if kv_count * 12 > self.size or tensor_count * 24 > self.size:
             raise self._fail(f"counts (tensors={tensor_count}, metadata={kv_count}) exceed the file size")
+        if kv_count > limits.MAX_METADATA_KEYS:
+            raise self._fail(f"{kv_count} metadata entries; at most {limits.MAX_METADATA_KEYS} are read")
+        if tensor_count > limits.MAX_TENSORS:
+            raise self._fail(f"{tensor_count} tensors; at most {limits.MAX_TENSORS} are read")
         for _ in range(kv_count):
-            key = self._string("metadata key")
+            key = self._string("metadata key", limits.MAX_METADATA_KEY_BYTES)
             if key in self.metadata:  # which copy counts would be a guess
                 raise self._fail(f"metadata key {key} appears twice")
             vtype = self._unpack("<I", f"{key} type")
@@ -163,7 +219,7 @@ class GGUFFile:
         infos = []
         names: set[str] = set()
         for _ in range(tensor_count):
-            name = self._string("tensor name")
+            name = self._string("tensor name", limits.MAX_METADATA_KEY_BYTES)
             if name in names:
                 raise self._fail(f"tensor {name} appears twice")
             names.add(name)

@@ -12,6 +12,7 @@ numbers a Hugging Face checkpoint would give it (modulo quantization):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -102,9 +103,11 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         raise ModelFileError(gguf.path, f"RoPE scaling {scaling_type!r} is not supported")
     factors = None
     if "rope_freqs.weight" in tensors:
+        # Counted from the header before a value is read: a file may claim millions of them.
+        claimed = math.prod(tensors["rope_freqs.weight"].shape)
+        if claimed != head_dim // 2:
+            raise ModelFileError(gguf.path, f"rope_freqs has {claimed} factors, expected {head_dim // 2}")
         factors = tuple(float(f) for f in gguf.dequantize("rope_freqs.weight").flatten())
-        if len(factors) != head_dim // 2:
-            raise ModelFileError(gguf.path, f"rope_freqs has {len(factors)} factors, expected {head_dim // 2}")
 
     window = get("attention.sliding_window")
     window = count("attention.sliding_window", 1, limits.MAX_CONTEXT) if window else None
@@ -224,6 +227,22 @@ def gguf_tensor_plan(config: ModelConfig, present: Collection[str]) -> Iterator[
         # llama.cpp calls the norm before the MLP ffn_norm; it is our pre-MLP norm.
         pre_mlp = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
         yield f"{blk}.ffn_norm.weight", _as(f"{ours}.{pre_mlp}.weight")
+
+
+def planned_shapes(gguf: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our state dict's names and shapes as the file's header describes them, read from the header
+    alone (the splits run on meta tensors): compared with the config before any tensor is read."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for gguf_name, split in gguf_tensor_plan(config, gguf.tensors):
+        info = gguf.tensors.get(gguf_name)
+        if info is None:
+            raise ModelFileError(gguf.path, f"tensor {gguf_name} is missing")
+        try:
+            parts = split(torch.empty(info.shape, dtype=torch.uint8, device="meta"))
+        except (ValueError, RuntimeError) as exc:  # a fused tensor of the wrong size
+            raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
+        shapes.update((ours, tuple(part.shape)) for ours, part in parts.items())
+    return shapes
 
 
 def compute_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

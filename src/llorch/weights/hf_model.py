@@ -7,7 +7,9 @@ prefix. The differences are undone here:
   our RMSNorm takes the effective multiplier, so 1 is added;
 - Llama 3.1's "llama3" RoPE scaling becomes per-frequency divisors, llama.cpp's form.
 
-Only safetensors are read (memory-mapped); pickled checkpoints are refused.
+Only safetensors are read (memory-mapped); pickled checkpoints are refused. Their headers
+are read by us first, bounded in size: every tensor's name, type and shape is known and
+checked before a tensor is read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from llorch.errors import ModelFileError
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llorch.weights import limits
 from llorch.weights.gguf_model import compute_tensor
-from llorch.weights.limits import bounded_int, finite_float, require_regular_file
+from llorch.weights.limits import (
+    MAX_SAFETENSORS_HEADER_BYTES,
+    MAX_TENSORS,
+    bounded_int,
+    finite_float,
+    require_regular_file,
+)
 from llorch.weights.tokenizer import read_json_object
 
 # config.json model_type -> our architecture family.
@@ -41,6 +49,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GEMMA3_DEFAULT_SLIDING_PATTERN = 6
+# The safetensors types we load (README: F32, F16, BF16), and their sizes.
+SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+SAFETENSORS_MAX_DIMS = 8
 
 
 def config_from_hf(directory: Path, weight_names: set[str]) -> ModelConfig:
@@ -267,22 +278,85 @@ def _shard_name(index: Path, name: Any) -> str:
     return name
 
 
+def safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a safetensors file, from its JSON header.
+
+    The header's size is bounded before it is read and its tensors before it is parsed, and
+    every tensor's type is one we load and its bytes fit in the file before anything is sized
+    by it (a header alone can describe a million tensors, or a terabyte tensor in a sparse file).
+    """
+    size = require_regular_file(file)
+
+    def invalid(problem: str) -> ModelFileError:
+        return ModelFileError(file, f"is not a valid safetensors file ({problem})")
+
+    with file.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise invalid("shorter than its header's size")
+        length = int.from_bytes(prefix, "little")
+        if length > size - 8:
+            raise invalid(f"its header claims {length} bytes, more than the file holds")
+        if length > MAX_SAFETENSORS_HEADER_BYTES:
+            raise ModelFileError(file, f"has a header of {length} bytes; at most {MAX_SAFETENSORS_HEADER_BYTES} "
+                                 "are read")
+        header = handle.read(length)
+    # Each tensor is a JSON object of its own, and a brace outside a string cannot be escaped.
+    if header.count(b"{") > MAX_TENSORS + 2:
+        raise ModelFileError(file, f"describes more than {MAX_TENSORS} tensors")
+    try:
+        entries = json.loads(header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid(f"header: {exc}") from exc
+    except RecursionError as exc:
+        raise invalid("its header nests too deeply") from exc
+    if not isinstance(entries, dict):
+        raise invalid("its header is not a JSON object")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, entry in entries.items():
+        if name == "__metadata__":
+            continue
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        # A dimension beyond the file's size could only come with another of zero elements.
+        if not isinstance(dtype, str) or not isinstance(shape, list) or len(shape) > SAFETENSORS_MAX_DIMS or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= size for d in shape):
+            raise invalid(f"tensor {name} has no valid dtype and shape")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ModelFileError(file, f"tensor {name} has dtype {dtype}, which is not supported (supported: "
+                                 f"{', '.join(sorted(SAFETENSORS_DTYPES))})")
+        if math.prod(shape) * SAFETENSORS_DTYPES[dtype] > size:
+            raise invalid(f"tensor {name} of shape {shape} needs more bytes than the file holds")
+        shapes[name] = tuple(shape)
+    return shapes
+
+
 class SafetensorsCheckpoint:
     """The safetensors files of a directory, opened memory-mapped; tensors are read on demand."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self.shapes: dict[str, tuple[int, ...]] = {}  # every tensor's shape, by name, from the headers
         self._handles: list[tuple[Path, Any, list[str]]] = []
+        owner: dict[str, Path] = {}
         for file in safetensors_files(directory):
+            shapes = safetensors_header(file)
+            for name in shapes:
+                if name in owner:  # which copy counts would be a guess
+                    raise ModelFileError(file, f"tensor {name} is also in {owner[name].name}")
+                owner[name] = file
+            self.shapes.update(shapes)
+            if len(self.shapes) > MAX_TENSORS:
+                raise ModelFileError(directory, f"holds more than {MAX_TENSORS} tensors")
             try:
                 handle = safe_open(str(file), framework="pt")
             except (SafetensorError, OSError, json.JSONDecodeError) as exc:
                 raise ModelFileError(file, f"is not a valid safetensors file ({exc})") from exc
-            self._handles.append((file, handle, list(handle.keys())))
+            self._handles.append((file, handle, list(shapes)))
 
     @property
     def names(self) -> set[str]:
-        return {name for _, _, names in self._handles for name in names}
+        return set(self.shapes)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file, handle, names in self._handles:
@@ -293,6 +367,41 @@ class SafetensorsCheckpoint:
                     raise ModelFileError(file, f"tensor {name} cannot be read ({exc})") from exc
 
 
+def _our_parts(directory: Path, name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A checkpoint tensor under our names: the `model.` prefix dropped, fused projections cut apart."""
+    ours = name.removeprefix("model.")
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if ours.endswith("self_attn.qkv_proj.weight"):
+        parts = _split(ours, tensor, ["q_proj", "k_proj", "v_proj"], [q_rows, kv_rows, kv_rows])
+    elif ours.endswith("mlp.gate_up_proj.weight"):
+        parts = _split(ours, tensor, ["gate_proj", "up_proj"], [cfg.intermediate_size] * 2)
+    else:
+        parts = {ours: tensor}
+    if parts is None:
+        raise ModelFileError(directory, f"tensor {name} has shape {tuple(tensor.shape)}, which "
+                             "does not split into the projections config.json describes")
+    return parts
+
+
+def _drop_or_require_lm_head(directory: Path, names: dict[str, Any], config: ModelConfig) -> None:
+    """Tied checkpoints may still store lm_head; untied ones must."""
+    if config.tie_word_embeddings:
+        names.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in names:
+        raise ModelFileError(directory, "lm_head.weight is missing and config.json says the embeddings are not tied")
+
+
+def planned_shapes(checkpoint: SafetensorsCheckpoint, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our state dict's names and shapes as the headers describe them (the splits run on meta
+    tensors): compared with the config before any tensor is read."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in checkpoint.shapes.items():
+        parts = _our_parts(checkpoint.directory, name, torch.empty(shape, dtype=torch.uint8, device="meta"), config)
+        shapes.update((ours, tuple(part.shape)) for ours, part in parts.items())
+    _drop_or_require_lm_head(checkpoint.directory, shapes, config)
+    return shapes
+
+
 def hf_state_dict(
     checkpoint: SafetensorsCheckpoint,
     config: ModelConfig,
@@ -301,32 +410,15 @@ def hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Our state dict from the checkpoint's tensors, in `dtype` (norms stay float32)."""
     state: dict[str, torch.Tensor] = {}
-    cfg = config
-    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     total = len(checkpoint.names)
     for done, (name, tensor) in enumerate(checkpoint.tensors(), start=1):
-        ours = name.removeprefix("model.")
-        if ours.endswith("self_attn.qkv_proj.weight"):
-            parts = _split(ours, tensor, ["q_proj", "k_proj", "v_proj"], [q_rows, kv_rows, kv_rows])
-        elif ours.endswith("mlp.gate_up_proj.weight"):
-            parts = _split(ours, tensor, ["gate_proj", "up_proj"], [cfg.intermediate_size] * 2)
-        else:
-            parts = {ours: tensor}
-        if parts is None:
-            raise ModelFileError(checkpoint.directory, f"tensor {name} has shape {tuple(tensor.shape)}, which "
-                                 "does not split into the projections config.json describes")
-        for key, value in parts.items():
-            if cfg.architecture == "gemma3" and key.endswith("norm.weight"):
+        for key, value in _our_parts(checkpoint.directory, name, tensor, config).items():
+            if config.architecture == "gemma3" and key.endswith("norm.weight"):
                 value = value.float() + 1.0
             state[key] = compute_tensor(key, value, dtype)
         if progress is not None:
             progress(done, total)
-    # Tied checkpoints may still store lm_head; untied ones must.
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in state:
-        raise ModelFileError(checkpoint.directory, "lm_head.weight is missing and config.json says the "
-                             "embeddings are not tied")
+    _drop_or_require_lm_head(checkpoint.directory, state, config)
     return state
 
 

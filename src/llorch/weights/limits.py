@@ -20,12 +20,44 @@ MAX_LAYERS = 1024  # the largest released models have under 200
 MAX_WIDTH = 1 << 20  # hidden and intermediate sizes
 MAX_HEADS = 4096
 MAX_HEAD_DIM = 4096
-MAX_VOCAB = 1 << 22  # 4M tokens; the largest released vocabularies hold 262k
+MAX_VOCAB = 1 << 20  # 1M tokens; the largest released vocabularies hold 262k
 MAX_CONTEXT = 1 << 24  # 16M positions
 MAX_TOKEN_CHARS = 1024  # one vocabulary entry; real ones stay under 300
 MAX_NAME_CHARS = 256  # a model's display name: sent in every `started` event and /health
 MAX_TEMPLATE_CHARS = 1 << 20  # a chat template; real ones stay under 100k
-MAX_JSON_BYTES = 256 << 20  # one JSON file of a model directory (a 262k vocabulary's tokenizer.json is ~33 MB)
+
+# What one file may hold, checked before its contents become objects. A dense model needs
+# about a dozen tensors per layer; llama.cpp's byte-level vocabularies ship about two merges per token.
+MAX_TENSORS = 1 << 16  # tensors in one GGUF or safetensors file
+MAX_MERGES = 2 * MAX_VOCAB  # tokenizer.ggml.merges; Llama 3 has 280k
+MAX_METADATA_KEYS = 1 << 16  # GGUF metadata entries; real files have under 100
+MAX_METADATA_KEY_BYTES = (1 << 16) - 1  # a GGUF key or tensor name (the format's own limit for keys)
+MAX_METADATA_STRING_BYTES = 4 * MAX_TEMPLATE_CHARS  # one GGUF string value: a chat template in UTF-8
+MAX_METADATA_ARRAY_STRINGS = 1 << 16  # a GGUF string array other than the vocabulary and its merges
+MAX_METADATA_ARRAY_BYTES = 64 << 20  # the text of every GGUF string array together (a 262k vocabulary: ~3 MB)
+# GGUF arrays the vocabulary sizes: their counts are checked before their elements are read.
+VOCABULARY_ARRAYS = {
+    "tokenizer.ggml.tokens": MAX_VOCAB,
+    "tokenizer.ggml.scores": MAX_VOCAB,
+    "tokenizer.ggml.token_type": MAX_VOCAB,
+    "tokenizer.ggml.merges": MAX_MERGES,
+}
+
+# JSON files of a model directory, by name: each a few times the largest real one, so that
+# parsing even a file of nothing but empty lists stays within a few hundred MB.
+JSON_FILE_BYTES = {
+    "config.json": 1 << 20,  # real ones: a few kB
+    "generation_config.json": 1 << 20,  # real ones: under 1 kB
+    "tokenizer_config.json": 4 << 20,  # Gemma 3's lists its 6k added tokens in 1.2 MB
+    "model.safetensors.index.json": 4 << 20,  # a 1024-layer dense model's weight_map: about 1.5 MB
+}
+DEFAULT_JSON_BYTES = 1 << 20  # any other JSON file of a model directory
+# tokenizer.json is parsed by `tokenizers` (in Rust), whose memory follows the strings the file
+# holds (about 280 bytes each): both are bounded before it is built. Gemma 3's, the largest real
+# one, holds 1.34M strings (262k tokens, 515k merges) in 33 MB and takes 360 MB to build.
+MAX_TOKENIZER_JSON_BYTES = 64 << 20
+MAX_TOKENIZER_STRINGS = 2 << 20
+MAX_SAFETENSORS_HEADER_BYTES = 8 << 20  # real headers hold about 150 bytes per tensor
 
 
 def bounded_int(value: Any, what: str, low: int, high: int, path: Path) -> int:

@@ -19,6 +19,7 @@ from llorch.memory import release_freed_memory
 from llorch.models.config import ModelConfig
 from llorch.models.decoder import Decoder
 from llorch.models.quantized import TYPE_SUFFIX, GGUFEmbedding, GGUFLinear, swap_quantized
+from llorch.weights import gguf_model, hf_model
 from llorch.weights.converted import ConversionCache, ConvertedMeta
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.gguf_model import config_from_gguf, state_dict_from_gguf
@@ -60,6 +61,7 @@ class ModelSource:
     config: ModelConfig
     tokenizer: Tokenizer
     chat_template: str | None
+    shapes: dict[str, tuple[int, ...]]  # our state dict's names and element shapes, as the file's header says
     # (dtype, progress, keep_quantized) -> our state dict; reads and converts the weights.
     read_weights: Callable[[torch.dtype, Callable[[int, int], None], bool], dict[str, torch.Tensor]]
     cache: ConversionCache | None = None  # where converted GGUF artifacts are kept
@@ -92,6 +94,8 @@ def load_model(
     started = time.perf_counter()
     keep_quantized = keep_quantized and device.type == "cpu"
     source = _hf_source(path) if path.is_dir() else _gguf_source(path)
+    # Every tensor is what the config needs before one is read: a header may claim anything.
+    _check_shapes(path, source.shapes, _expected_shapes(source.config))
     release_freed_memory()  # the tokenizer's parse leftovers go before the weights come in
     log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
@@ -144,21 +148,30 @@ def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tenso
         expected[name] = (expected[name][0], _row_bytes(path, name, model, state))
         module = model.get_submodule(name.removesuffix(".weight"))  # the skeleton's buffer takes that shape
         module.register_buffer("weight", torch.empty(expected[name], dtype=torch.uint8, device="meta"))
-    for name, shape in expected.items():
-        if name not in state:
-            raise ModelFileError(path, f"weight {name} is missing")
-        if tuple(state[name].shape) != shape:
-            raise ModelFileError(
-                path, f"weight {name} has shape {tuple(state[name].shape)}, the config implies {shape}"
-            )
-    unexpected = sorted(set(state) - set(expected))
-    if unexpected:
-        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
-        raise ModelFileError(path, f"has weight {unexpected[0]}{more}, which the config does not describe")
+    _check_shapes(path, {name: tuple(tensor.shape) for name, tensor in state.items()}, expected)
     model.load_state_dict(state, assign=True, strict=True)
     if not blocks:
         model.fuse_projections()
     return model
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the decoder of `config` takes, with its element shape (a skeleton on the meta device)."""
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in Decoder(config).state_dict().items()}
+
+
+def _check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """`shapes` are exactly the weights `expected`: none missing, none extra, each of its shape."""
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise ModelFileError(path, f"weight {name} is missing")
+        if tuple(shapes[name]) != shape:
+            raise ModelFileError(path, f"weight {name} has shape {tuple(shapes[name])}, the config implies {shape}")
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise ModelFileError(path, f"has weight {unexpected[0]}{more}, which the config does not describe")
 
 
 def _row_bytes(path: Path, name: str, model: Decoder, state: dict[str, torch.Tensor]) -> int:
@@ -188,6 +201,7 @@ def _gguf_source(path: Path) -> ModelSource:
         config=meta.config,
         tokenizer=meta.tokenizer,
         chat_template=meta.chat_template,
+        shapes=gguf_model.planned_shapes(gguf, meta.config),
         read_weights=lambda dtype, progress, quantized: state_dict_from_gguf(
             gguf, meta.config, dtype, progress, quantized),
         cache=cache,
@@ -230,6 +244,7 @@ def _hf_source(path: Path) -> ModelSource:
         config=config,
         tokenizer=tokenizer,
         chat_template=hf_chat_template(path),
+        shapes=hf_model.planned_shapes(checkpoint, config),
         # Safetensors checkpoints hold dense weights; they are used as they are.
         read_weights=lambda dtype, progress, _quantized: hf_state_dict(checkpoint, config, dtype, progress),
     )

@@ -23,7 +23,15 @@ from tokenizers.models import BPE
 
 from llorch.cache import cache_dir
 from llorch.errors import ModelFileError
-from llorch.weights.limits import MAX_JSON_BYTES, MAX_TOKEN_CHARS, MAX_VOCAB, require_regular_file
+from llorch.weights.limits import (
+    DEFAULT_JSON_BYTES,
+    JSON_FILE_BYTES,
+    MAX_TOKEN_CHARS,
+    MAX_TOKENIZER_JSON_BYTES,
+    MAX_TOKENIZER_STRINGS,
+    MAX_VOCAB,
+    require_regular_file,
+)
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
 CONVERTER_VERSION = 3
@@ -141,9 +149,11 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
             source, f"tokenizer kind {kind!r} is not supported (supported: {', '.join(GGUF_TOKENIZER_KINDS)})"
         )
     check_vocabulary(tokens, source)
+    # The arrays that parallel the vocabulary are counted before a value of theirs is converted.
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in metadata and len(metadata[key]) != len(tokens):
+            raise ModelFileError(source, f"{key} holds {len(metadata[key])} values for {len(tokens)} tokens")
     token_types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))]
-    if len(token_types) != len(tokens):
-        raise ModelFileError(source, "tokenizer token_type and tokens have different lengths")
     architecture = str(metadata.get("general.architecture", ""))
 
     key = _vocab_key(metadata, tokens, token_types, architecture)
@@ -192,11 +202,15 @@ def tokenizer_from_hf_dir(directory: Path, bos_token_id: int | None, eos_token_i
         hint = " (only tokenizer.model: llorch needs the fast tokenizer.json)" if (
             directory / "tokenizer.model").exists() else ""
         raise ModelFileError(directory, f"has no tokenizer.json{hint}")
-    require_regular_file(file)
+    check_tokenizer_file(file)
     try:
         backend = HFTokenizer.from_file(str(file))
     except Exception as exc:
         raise ModelFileError(file, f"is not a valid tokenizer ({exc})") from exc
+    # Before the vocabulary becomes Python objects (Tokenizer.around reads it whole).
+    size = backend.get_vocab_size(with_added_tokens=True)
+    if size > MAX_VOCAB:
+        raise ModelFileError(file, f"holds {size} tokens; at most {MAX_VOCAB} are allowed")
     settings = read_json_object(directory / "tokenizer_config.json", required=False)
     vocab = backend.get_vocab()
 
@@ -214,15 +228,41 @@ def tokenizer_from_hf_dir(directory: Path, bos_token_id: int | None, eos_token_i
     return Tokenizer.around(backend, bos_token_id, eos_token_ids)
 
 
+def check_tokenizer_file(file: Path) -> None:
+    """A tokenizer.json `tokenizers` can build within bounded memory: its size, and the strings it holds
+    (tokens, merges, added tokens: what the built tokenizer's size follows), bounded before it is parsed.
+
+    Each JSON string takes two quote characters and a quote inside one is escaped as a third, so half the
+    quotes bound the strings from above, counted at memchr speed.
+    """
+    size = require_regular_file(file)
+    if size > MAX_TOKENIZER_JSON_BYTES:
+        raise ModelFileError(file, f"is {size} bytes; a tokenizer may have at most {MAX_TOKENIZER_JSON_BYTES}")
+    quotes = 0
+    try:
+        with file.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                quotes += chunk.count(b'"')
+    except OSError as exc:
+        raise ModelFileError(file, f"cannot be read ({exc.strerror})") from exc
+    if quotes > 2 * MAX_TOKENIZER_STRINGS:
+        raise ModelFileError(file, f"holds up to {quotes // 2} strings; a tokenizer of at most {MAX_VOCAB} tokens "
+                             f"may hold {MAX_TOKENIZER_STRINGS} (tokens, merges and added tokens)")
+
+
 def read_json_object(file: Path, required: bool = True) -> dict[str, Any]:
-    """A JSON object from a model directory; a broken one is a ModelFileError naming the file."""
+    """A JSON object from a model directory; a broken one is a ModelFileError naming the file.
+
+    Each file's size is bounded by what it holds (limits.JSON_FILE_BYTES) before it is parsed.
+    """
     if not file.exists():
         if required:
             raise ModelFileError(file, "is missing")
         return {}
     size = require_regular_file(file)
-    if size > MAX_JSON_BYTES:
-        raise ModelFileError(file, f"is {size} bytes; at most {MAX_JSON_BYTES} are read")
+    limit = JSON_FILE_BYTES.get(file.name, DEFAULT_JSON_BYTES)
+    if size > limit:
+        raise ModelFileError(file, f"is {size} bytes; a {file.name} may have at most {limit}")
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
