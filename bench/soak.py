@@ -8,14 +8,18 @@ Each client loops: submit a job (random prompt length, max_tokens, sampling), th
 it to the end, or cancel it through /cancel after a few tokens, or drop the connection,
 or send a long non-streaming OpenAI request and give up on it after a second or so. One
 client in eight is instead a slow one: it opens a connection, sends half a request and
-waits for the worker to close it. The report gives jobs accepted (by the clients' count
+waits for the worker to close it. With `--stalled-readers N`, N more clients each send a
+request whose streamed answer is megabytes long (a 4 KiB receive buffer) and never read
+a byte of it: the worker must reset each such connection (its write deadline) and end
+its jobs. The report gives jobs accepted (by the clients' count
 and by the worker's), jobs whose stream carried exactly one terminal event, jobs the
 worker counted as ended (must equal those it accepted: disconnected and abandoned ones
 included), 503 "busy" answers (expected when clients outnumber --max-running plus
 --max-queue), other 5xx answers (must be 0), slow connections the worker closed (all of
-them, each within its read deadline), jobs and KV cache still held afterwards (must be
-0), and the worker's RSS after the first `--warmup` seconds and at the end (the end must
-be within 10% of it). Traffic goes to loopback only and stops by itself.
+them, each within its read deadline), stalled readers the worker reset (all of them),
+jobs and KV cache still held afterwards (must be 0), and the worker's RSS after the
+first `--warmup` seconds and at the end (the end must be within 10% of it). Traffic goes
+to loopback only and stops by itself.
 """
 
 from __future__ import annotations
@@ -34,9 +38,14 @@ from pathlib import Path
 import httpx
 
 from launch import start_worker, stop
-from llorch.api.connections import HEADER_TIMEOUT_S
+from llorch.api.connections import HEADER_TIMEOUT_S, WRITE_TIMEOUT_S
 
 REPLICA_LABEL = re.compile(r'\{replica="[^"]*",?')  # the label the Ray Serve front adds
+
+# A stalled reader's answer is generated before it can stall (megabytes must be sent first): this long
+# is allowed for that, on top of the write deadline.
+STALL_GENERATION_S = 180.0
+TCP_CLOSED_STATES = (7, 8)  # Linux TCP_CLOSE (reset), TCP_CLOSE_WAIT (the peer's FIN)
 
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -56,6 +65,8 @@ class SoakReport:
     unary_answered: int = 0  # non-streaming requests answered before the client gave up
     slow_connections: int = 0  # half-sent requests by slow clients
     slow_closed_in_time: int = 0  # ... that the worker closed within its read deadline
+    stalled_readers: int = 0  # requests whose long answer the client never read
+    stalled_reset: int = 0  # ... whose connection the worker closed (its write deadline)
     accepted_by_worker: int = 0  # jobs the worker accepted during the soak
     exactly_one_terminal: int = 0  # among streams read to the end
     rejected_4xx: int = 0
@@ -75,7 +86,8 @@ class SoakReport:
         return (self.server_errors_5xx == 0 and self.exactly_one_terminal == read_to_end
                 and self.ended_by_worker == self.accepted_by_worker and self.accepted_by_worker >= self.accepted
                 and self.in_flight_after == 0 and self.kv_bytes_after == 0
-                and self.slow_closed_in_time == self.slow_connections and not self.problems)
+                and self.slow_closed_in_time == self.slow_connections
+                and self.stalled_reset == self.stalled_readers and not self.problems)
 
     @property
     def rss_steady(self) -> bool:
@@ -125,6 +137,38 @@ def slow_client_loop(url: str, deadline: float, report: SoakReport, lock: thread
             with lock:
                 report.slow_connections += 1
                 report.slow_closed_in_time += closed and time.monotonic() - opened < HEADER_TIMEOUT_S + 5
+
+
+def stalled_request(url: str, path: str, body: dict[str, object]) -> socket.socket:
+    """A connection that sends `body` to `path` and then never reads: its 4 KiB receive buffer is full at once."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = socket.socket()
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
+    connection.connect((host, int(port)))
+    payload = json.dumps(body).encode()
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return connection
+
+
+def closed_by_peer(connection: socket.socket) -> bool:
+    """Whether the other side has reset or closed the connection, seen without reading a byte of it (Linux)."""
+    return connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in TCP_CLOSED_STATES
+
+
+def stalled_reader_loop(url: str, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
+    """Eight streamed choices of 512 tokens with 20 alternatives each (megabytes), never read, until the
+    worker resets the connection."""
+    body = {"prompt": " ".join(WORDS), "max_tokens": 512, "n": 8, "logprobs": 20, "ignore_eos": True,
+            "stream": True}
+    while time.monotonic() < deadline:
+        with stalled_request(url, "/v1/completions", body) as connection:
+            give_up = time.monotonic() + STALL_GENERATION_S + WRITE_TIMEOUT_S
+            while not closed_by_peer(connection) and time.monotonic() < give_up:
+                time.sleep(0.5)
+            with lock:
+                report.stalled_readers += 1
+                report.stalled_reset += closed_by_peer(connection)
 
 
 def abandon_unary(http: httpx.Client, model: str, rng: random.Random, report: SoakReport,
@@ -202,7 +246,8 @@ def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock:
                         report.problems.append(f"{job_id}: {terminals} terminal events")
 
 
-def soak(url: str, pid: int, clients: int, seconds: float, warmup: float = 0.0) -> SoakReport:
+def soak(url: str, pid: int, clients: int, seconds: float, warmup: float = 0.0, stalled_readers: int = 0
+         ) -> SoakReport:
     report = SoakReport(clients=clients, seconds=seconds, rss_start_mb=rss_mb(pid))
     before = scrape(url)
     ended_before, accepted_before = ended_jobs(before), before.get("llorch_jobs_accepted_total", 0)
@@ -211,6 +256,8 @@ def soak(url: str, pid: int, clients: int, seconds: float, warmup: float = 0.0) 
     deadline = started + seconds
     threads = [threading.Thread(target=slow_client_loop, args=(url, deadline, report, lock)) if i % 8 == 7 else
                threading.Thread(target=client_loop, args=(url, i, deadline, report, lock)) for i in range(clients)]
+    threads += [threading.Thread(target=stalled_reader_loop, args=(url, deadline, report, lock))
+                for _ in range(stalled_readers)]
     for thread in threads:
         thread.start()
     time.sleep(max(0.0, min(warmup, seconds) - (time.monotonic() - started)))
@@ -240,6 +287,8 @@ def main() -> None:
     parser.add_argument("--pid", type=int)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--stalled-readers", type=int, default=0,
+                        help="clients that never read their (long) answers; the worker must reset them")
     parser.add_argument("--warmup", type=float, default=120,
                         help="seconds after which the RSS baseline is taken (default 120)")
     args = parser.parse_args()
@@ -249,7 +298,7 @@ def main() -> None:
         server = start_worker(None)
         url, pid = server.base_url, server.process.pid
     try:
-        report = soak(url, pid, args.clients, args.seconds, args.warmup)
+        report = soak(url, pid, args.clients, args.seconds, args.warmup, args.stalled_readers)
     finally:
         if server is not None:
             stop(server)

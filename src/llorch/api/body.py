@@ -74,13 +74,30 @@ async def read_json(request: Request) -> Any:
         raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
                                 "message": "request body is not valid JSON here: it is nested too deeply"}]) from exc
     except (ValueError, UnicodeError) as exc:  # JSONDecodeError, 4300+ digit integers, lone surrogates
-        reason = "it has an unpaired surrogate" if isinstance(exc, UnicodeError) else str(exc)[:200]
         raise BadRequest(400, [{"field": "body", "constraint": "valid JSON",
-                                "message": f"request body is not valid JSON: {reason}"}]) from exc
+                                "message": f"request body is not valid JSON: {_why_not_json(exc)}"}]) from exc
+
+
+def _why_not_json(exc: ValueError | UnicodeError) -> str:
+    if isinstance(exc, UnicodeDecodeError):  # bytes that are not text at all (a compressed body, say)
+        return f"it is not UTF-8 text (byte {exc.start} is 0x{exc.object[exc.start]:02x})"
+    if isinstance(exc, UnicodeError):  # \ud800 escapes: text no UTF-8 encoder can write back
+        return "it has an unpaired surrogate"
+    return str(exc)[:200]
+
+
+def check_not_encoded(request: Request) -> None:
+    """A body must come as it is: a compressed one (Content-Encoding) is refused, saying so, not misread."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BadRequest(415, [{"field": "body", "constraint": "no Content-Encoding",
+                                "message": f"request bodies with Content-Encoding: {encoding[:40]} are not "
+                                           "supported; send the JSON uncompressed"}])
 
 
 async def read_body(request: Request) -> bytes:
-    """The body's bytes, or BadRequest 413 past MAX_BODY_BYTES (declared or sent)."""
+    """The body's bytes, or BadRequest 413 past MAX_BODY_BYTES (declared or sent), or 415 when compressed."""
+    check_not_encoded(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise BadRequest(413, [{"field": "body", "constraint": f"<= {MAX_BODY_BYTES} bytes",

@@ -1,22 +1,36 @@
-"""Slow and idle clients cannot hold the server: read deadlines, idle eviction, a request limit.
+"""Slow and idle clients cannot hold the server: read and write deadlines, idle eviction, a request
+limit, and one framing of a request body.
 
-uvicorn waits for a request's headers and body as long as the client likes, and its
-concurrency limit counts idle connections too, so 256 connections that send half a
-request made every request, /health included, a 503. Here instead:
+uvicorn waits for a request's headers and body as long as the client likes, and for the
+client to read its answer as long as it likes; its concurrency limit counts idle
+connections too. So 256 connections that send half a request made every request, /health
+included, a 503, and eight that never read a large answer held eight request slots for
+good. Here instead:
 - a request's headers must arrive within HEADER_TIMEOUT_S of its first byte (or of the
   connection), and its body within BODY_TIMEOUT_S of its headers; neither deadline
   moves when more bytes trickle in, so a drip-feed does not extend it;
+- a client must keep taking its answer: once the worker's send buffers are full (the
+  kernel's, capped at SEND_BUFFER_BYTES instead of growing to 4 MiB, then asyncio's,
+  which pauses writing past 64 KiB), the client has WRITE_TIMEOUT_S to read them down
+  (to 16 KiB) or the connection is reset, the buffered answer dropped, and its job
+  cancelled like any disconnect's;
 - past `max_open` connections, each new one closes the oldest connection that is
-  not being answered (idle, or still sending its request), so a crowd of idle
-  connections never locks out a real client;
+  not being answered (idle, or still sending its request), else the one whose client
+  has left its answer unread longest, so neither crowd locks out a real client;
 - `--max-connections` bounds the requests being answered at once (streams included);
   beyond it a request gets a 503 in its API's shape. /health and /metrics are never
-  refused.
+  refused;
+- a request that carries both Content-Length and Transfer-Encoding is refused with a 400
+  before anything reads it: servers and proxies that disagree on which one frames the
+  body are how requests are smuggled past a proxy (RFC 9112, section 6.3).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 import time
 from typing import Any
 
@@ -29,18 +43,51 @@ from llorch.api.errors import RETRY, error_for_path
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0  # a 1 MiB body at 35 KB/s
+WRITE_TIMEOUT_S = 30.0  # a full send buffer (48 KiB to drain) left unread this long: the client is gone
+# The kernel's share of an unread answer (Linux doubles it). Autotuned, it grows to 4 MiB per connection on
+# loopback, so an answer that size sits there unread with no deadline; 256 KiB still fills any link's
+# round trip at token-stream rates.
+SEND_BUFFER_BYTES = 256 << 10
+BOTH_FRAMINGS = ("a request may not carry both Content-Length and Transfer-Encoding: they disagree on where "
+                 "its body ends (RFC 9112, section 6.3)")
+
+
+class OneFraming(h11.Connection):
+    """h11's server side, refusing a request that frames its body twice (h11 would read it as chunked)."""
+
+    refused: str | None = None  # why the last request was refused, for the 400's body
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}  # h11 lower-cases header names
+            if b"content-length" in names and b"transfer-encoding" in names:
+                self.refused = BOTH_FRAMINGS
+                raise h11.RemoteProtocolError(BOTH_FRAMINGS, error_status_hint=400)
+        return event
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with read deadlines and idle eviction (see the module doc)."""
+    """uvicorn's HTTP/1.1 protocol with read and write deadlines, eviction and one framing (see the module doc)."""
 
     max_open = 256  # set per server by `guarded_protocol`
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        limit = self.config.h11_max_incomplete_event_size
+        self.conn = OneFraming(h11.SERVER, **({} if limit is None else {"max_incomplete_event_size": limit}))
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # a client already gone
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.opened_at = time.monotonic()
         self._deadline: asyncio.TimerHandle | None = None
         self._deadline_for: object = None  # the h11 state the deadline is for
+        self._write_deadline: asyncio.TimerHandle | None = None
+        self.unread_since: float | None = None  # when the send buffer filled up and the client stopped reading
         self._watch_reading()
         self._evict_idle()
 
@@ -54,7 +101,26 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_write_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The send buffer is full: the client has WRITE_TIMEOUT_S to read it down."""
+        super().pause_writing()
+        if self._write_deadline is None:
+            self.unread_since = time.monotonic()
+            self._write_deadline = self.loop.call_later(WRITE_TIMEOUT_S, self._answer_unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_deadline()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for a request h11 refuses, saying why when the reason is ours."""
+        refused = getattr(self.conn, "refused", None)
+        if refused:
+            self.logger.info("refusing a request: %s", refused)
+        super().send_400_response(refused or msg)
 
     @property
     def reading_request(self) -> bool:
@@ -87,14 +153,44 @@ class GuardedH11Protocol(H11Protocol):
             self.logger.info("closing a connection whose request did not arrive in time")
             self.transport.close()
 
+    def _cancel_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+        self._write_deadline, self.unread_since = None, None
+
+    def _answer_unread(self) -> None:
+        self._write_deadline = None
+        self.logger.info("resetting a connection whose client left its answer unread for %g s", WRITE_TIMEOUT_S)
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the connection and everything buffered for it, here and in the kernel.
+
+        close() would wait for the client to read the buffer, which is what it does not do;
+        abort() drops asyncio's buffer, and a zero linger makes the kernel send a reset
+        instead of keeping its own copy of the answer for the client.
+        """
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already gone
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
     def _evict_idle(self) -> None:
         if len(self.connections) <= self.max_open:
             return
-        idle = [c for c in self.connections
-                if c is not self and isinstance(c, GuardedH11Protocol) and c.reading_request]
+        others = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)]
+        idle = [c for c in others if c.reading_request]
         if idle:
             oldest = min(idle, key=lambda c: c.opened_at)
             oldest.transport.close()
+            return
+        unread = [c for c in others if c.unread_since is not None]
+        if unread:
+            longest = min(unread, key=lambda c: c.unread_since or 0.0)
+            self.logger.info("%d connections are open: resetting the one whose client has left its answer unread "
+                             "longest (%.0f s)", len(self.connections), time.monotonic() - (longest.unread_since or 0))
+            longest.reset()
 
 
 def guarded_protocol(max_open: int) -> type[GuardedH11Protocol]:

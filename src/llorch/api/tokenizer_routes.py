@@ -6,7 +6,10 @@
 - POST /detokenize: token ids back to text.
 
 With these, an evaluation needs no local copy of the tokenizer: it tokenizes through
-the worker, so its token ids are exactly the ones the worker reads.
+the worker, so its token ids are exactly the ones the worker reads. A prompt (and each
+message) has the length limit generation has, and the work a request makes (rendering,
+tokenizing, token texts, encoding the answer as JSON) runs on a worker thread, so a few
+large requests never hold the event loop that answers /health.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.body import openapi_json_body
 from llorch.api.errors import OPENAI_ERROR_SCHEMA, OpenAIError, error_responses, openai_refusal
 from llorch.api.openai import parse_body, ready
 from llorch.api.openai_schemas import MAX_TOOLS, ChatMessage, Strict, TokenId, Tool
+from llorch.api.schemas import MAX_PROMPT_CHARS
 from llorch.api.state import WorkerState
 from llorch.engine.engine import Engine
 from llorch.engine.errors import RequestRejected
@@ -41,6 +45,14 @@ class TokenizeRequest(Strict):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_length(cls, value: str | None) -> str | None:
+        """The limit generation has, checked before anything tokenizes the text."""
+        if value is not None and len(value) > MAX_PROMPT_CHARS:
+            raise ValueError(f"the prompt is {len(value)} characters; at most {MAX_PROMPT_CHARS} are accepted")
+        return value
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -64,6 +76,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def tokenize(engine: Engine, body: TokenizeRequest) -> list[int]:
+    """The request's token ids (raises RequestRejected naming the field); CPU work, for a worker thread."""
     if body.messages is not None:
         tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
         text = engine.front.render_chat(tuple(m.for_template() for m in body.messages), tools,
@@ -72,6 +85,16 @@ def tokenize(engine: Engine, body: TokenizeRequest) -> list[int]:
     assert body.prompt is not None
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
     return engine.front.encode(body.prompt, add_special)
+
+
+def tokenize_answer(engine: Engine, body: TokenizeRequest) -> JSONResponse:
+    """/tokenize's whole answer, encoded: for a worker thread (the token texts and the JSON of a long
+    prompt take as long as tokenizing it)."""
+    ids = tokenize(engine, body)
+    answer: dict[str, Any] = {"count": len(ids), "max_model_len": engine.ctx_size, "tokens": ids}
+    if body.return_token_strs:
+        answer["token_strs"] = [engine.front.tokenizer.token_text(i) for i in ids]
+    return JSONResponse(answer)
 
 
 def create_tokenizer_router(state: WorkerState) -> APIRouter:
@@ -98,24 +121,20 @@ def create_tokenizer_router(state: WorkerState) -> APIRouter:
 
     @router.post("/tokenize", response_model=None, openapi_extra=openapi_json_body(TokenizeRequest),
                  responses=RESPONSES)
-    async def tokenize_route(request: Request) -> dict[str, Any] | JSONResponse:
+    async def tokenize_route(request: Request) -> JSONResponse:
         try:
             body = await parse_body(request, TokenizeRequest, state)
             engine = ready(state)
             try:
-                ids = await run_in_threadpool(tokenize, engine, body)
+                return await run_in_threadpool(tokenize_answer, engine, body)
             except RequestRejected as exc:
                 raise openai_refusal(exc) from exc
         except OpenAIError as exc:
             return exc.response()
-        answer: dict[str, Any] = {"count": len(ids), "max_model_len": engine.ctx_size, "tokens": ids}
-        if body.return_token_strs:
-            answer["token_strs"] = [engine.front.tokenizer.token_text(i) for i in ids]
-        return answer
 
     @router.post("/detokenize", response_model=None, openapi_extra=openapi_json_body(DetokenizeRequest),
                  responses=RESPONSES)
-    async def detokenize_route(request: Request) -> dict[str, Any] | JSONResponse:
+    async def detokenize_route(request: Request) -> JSONResponse:
         try:
             body = await parse_body(request, DetokenizeRequest, state)
             engine = ready(state)
@@ -125,7 +144,6 @@ def create_tokenizer_router(state: WorkerState) -> APIRouter:
                 raise openai_refusal(exc) from exc
         except OpenAIError as exc:
             return exc.response()
-        text = await run_in_threadpool(engine.front.tokenizer.decode, body.tokens)
-        return {"prompt": text}
+        return await run_in_threadpool(lambda: JSONResponse({"prompt": engine.front.tokenizer.decode(body.tokens)}))
 
     return router

@@ -3,7 +3,10 @@
 EngineConfig is plain frozen data, built from a worker's flags (`from_args`) or in
 code (tests, benchmarks). build_engine is the only place a model runner and an
 engine are assembled; the policies that size them live here too: the compute
-dtype, whether GGUF weights stay quantized, and the KV pool's budget.
+dtype, whether GGUF weights stay quantized, and the KV pool's budget. Before any of
+that, the model proves it computes: a forward over a short text must give finite
+logits (a config.json can hold finite, valid-looking numbers, a rope_theta of 1e-300,
+that make every logit NaN).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from pathlib import Path
 import torch
 
 from llorch.engine.engine import Engine
-from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
+from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
 from llorch.engine.runner import ModelRunner
 from llorch.engine.telemetry import Telemetry
 from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
 from llorch.kernels.build import library as kernel_library
 from llorch.memory import release_freed_memory
+from llorch.models.paged import contiguous_step
 from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
@@ -34,6 +38,8 @@ log = logging.getLogger("llorch.engine")
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 DEFAULT_CPU_KV_MB = 512
 DEFAULT_CUDA_KV_FRACTION = 0.5
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog."  # start-up's proof that the logits are finite
+PROBE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,30 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
         raise StartupError(f"{path or loaded.path}: {exc}") from exc
 
 
+def prove_finite_logits(loaded: LoadedModel, device: torch.device) -> None:
+    """A forward over PROBE_TEXT on a cache of its own; StartupError when any of its logits is NaN or infinite.
+
+    A model whose numbers overflow would otherwise load, then sample from NaN and answer
+    every request for log-probabilities with numbers JSON cannot carry.
+    """
+    ids = loaded.tokenizer.encode(PROBE_TEXT)[:PROBE_TOKENS]
+    if not ids:
+        return
+    step = contiguous_step(loaded.config, 0, len(ids), device, last_only=False)
+    cache = allocate_kv(loaded.config, len(ids), loaded.dtype, device, zeroed=True)
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor(ids, dtype=torch.long, device=device), step, cache).float()
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return
+    kinds = [name for name, found in (("NaN", torch.isnan(logits).any()), ("infinite", torch.isinf(logits).any()))
+             if bool(found)]
+    first = int((~finite).any(dim=-1).nonzero()[0])
+    raise StartupError(f"{loaded.path}: the model computes {' and '.join(kinds)} logits on a test text of {len(ids)} "
+                       f"tokens (from token {first} on): its weights or its configuration (rope_theta, rope_scaling, "
+                       "a norm epsilon, the compute dtype) overflow; it cannot be served")
+
+
 def build_engine(config: EngineConfig, device: torch.device | None = None, *, loaded: LoadedModel | None = None,
                  telemetry: Telemetry | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Engine:
@@ -130,6 +160,7 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(config.model or default_model_path(), device, dtype, progress=progress,
                             keep_quantized=keeps_quantized(config, device))
+    prove_finite_logits(loaded, device)
     release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
     ctx_size = config.ctx_size or loaded.config.context_length
     if not 0 < ctx_size <= loaded.config.context_length:

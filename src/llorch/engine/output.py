@@ -6,11 +6,16 @@
 Per sequence, SequenceOutput holds the text pipeline (incremental detokenizer and
 stop matcher) and the counters its events need. OutputProcessor emits every event a
 job produces, from `started` to its one terminal event; the engine decides when.
+
+Every number it emits is one JSON can carry: a log-probability of -inf (a token a grammar
+rules out) is reported as ZERO_PROBABILITY_LOGPROB, and a NaN or +inf one (logits that
+overflowed) raises NonFiniteLogits, which ends that job with an error event.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -37,6 +42,21 @@ from llorch.weights.tokenizer import Tokenizer
 log = logging.getLogger("llorch.engine")
 
 METRICS_INTERVAL_S = 1.0
+ZERO_PROBABILITY_LOGPROB = -9999.0  # how -inf is reported (vLLM's choice too): JSON has no infinities
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A log-probability came out NaN or +inf: the model's logits overflowed (its weights or configuration)."""
+
+
+def wire_logprob(value: float, token_id: int) -> float:
+    """`value` as a finite number, or NonFiniteLogits when nothing true can be said about the distribution."""
+    if math.isfinite(value):
+        return value
+    if value == -math.inf:
+        return ZERO_PROBABILITY_LOGPROB
+    raise NonFiniteLogits(f"the model's log-probability of token {token_id} is {value}: its logits are not "
+                          "finite (its weights or configuration overflow), so this job cannot report them")
 
 
 class SequenceOutput:
@@ -69,10 +89,9 @@ class OutputProcessor:
     def prompt_scored(self, seq: Sequence, start: int, scores: list[tuple[float, tuple[tuple[int, float], ...]]]
                       ) -> None:
         """Prompt tokens `start`, `start` + 1, ... were scored: one event with their log-probabilities."""
-        decode = self.tokenizer.token_text
-        entries = tuple(
-            TokenLogprob(token_id, decode(token_id), logprob, tuple((i, decode(i), value) for i, value in top))
-            for token_id, (logprob, top) in zip(seq.prompt_ids[start : start + len(scores)], scores, strict=True))
+        entries = tuple(self._logprob(token_id, logprob, top)
+                        for token_id, (logprob, top) in zip(seq.prompt_ids[start : start + len(scores)], scores,
+                                                            strict=True))
         seq.next_scored = start + len(scores)
         self._emit(seq, PromptLogprobs(start, entries))
 
@@ -83,9 +102,7 @@ class OutputProcessor:
         if not seq.output_ids:
             self.telemetry.time_to_first_token.observe(time.perf_counter() - seq.accepted_at)
         if sampled.logprob is not None:
-            decode = self.tokenizer.token_text
-            top = tuple((i, decode(i), value) for i, value in sampled.top)
-            self._emit(seq, TokenLogprob(token_id, decode(token_id), sampled.logprob, top))
+            self._emit(seq, self._logprob(token_id, sampled.logprob, sampled.top))
         if token_id in self.tokenizer.eos_token_ids:
             return StopReason.EOS
         seq.append(token_id)
@@ -120,6 +137,12 @@ class OutputProcessor:
         self.telemetry.requests.labels(outcome=f"error_{code.value.lower()}").inc()
         self._emit(seq, Error(code, message))
         log.error("job failed", extra={"job_id": seq.job_id, "code": code.value, "error": message})
+
+    def _logprob(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenLogprob:
+        """One token's log-probability event (raises NonFiniteLogits before anything is emitted)."""
+        decode = self.tokenizer.token_text
+        return TokenLogprob(token_id, decode(token_id), wire_logprob(logprob, token_id),
+                            tuple((i, decode(i), wire_logprob(value, i)) for i, value in top))
 
     def _text(self, seq: Sequence, text: str) -> None:
         if text:

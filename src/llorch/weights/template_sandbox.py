@@ -78,7 +78,9 @@ class TemplateSandbox:
             except OSError as exc:
                 self._stop()
                 raise ChatTemplateError("the chat template process died; it restarts on the next request") from exc
-            answer = self._read_answer(process, "compile" if arguments is None else "render")
+            # A child that has not seen the template compiles it first: a limit it breaks may be either's.
+            action = "compile" if arguments is None else "compile and render" if "source" in request else "render"
+            answer = self._read_answer(process, action)
             if answer.get("compiled"):
                 self._known.add(digest)
             if "error" in answer:
@@ -179,12 +181,11 @@ def _answer(request: dict[str, Any], env: ImmutableSandboxedEnvironment, compile
 def _render_or_error(request: dict[str, Any], env: ImmutableSandboxedEnvironment, compiled: dict[str, Template]
                      ) -> dict[str, Any]:
     digest = request["digest"]
+    if digest not in compiled:
+        error = _compile(request["source"], env, compiled, digest)
+        if error:
+            return {"error": error}
     try:
-        if digest not in compiled:
-            try:
-                compiled[digest] = env.from_string(request["source"])
-            except TemplateError as exc:
-                return {"error": f"the chat template does not compile: {exc}"}
         if request["arguments"] is None:
             return {"text": ""}
         return {"text": _render(compiled[digest], request["arguments"])}
@@ -198,6 +199,26 @@ def _render_or_error(request: dict[str, Any], env: ImmutableSandboxedEnvironment
         return {"error": "the chat template recursed too deeply"}
     except Exception as exc:  # whatever else a template can provoke (range too big, no loader, ...)
         return {"error": f"the chat template failed: {type(exc).__name__}: {exc}"}
+
+
+def _compile(source: str, env: ImmutableSandboxedEnvironment, compiled: dict[str, Template], digest: str
+             ) -> str | None:
+    """Compile `source` into `compiled`; the error message when it cannot be.
+
+    Compiling runs template code too: jinja2 folds constant expressions, so `'x' * 10**9`
+    is computed here, before any render.
+    """
+    try:
+        compiled[digest] = env.from_string(source)
+    except TemplateError as exc:
+        return f"the chat template does not compile: {exc}"
+    except MemoryError:
+        return f"the chat template needed more than {SANDBOX_MEMORY_BYTES >> 20} MiB to compile"
+    except RecursionError:
+        return "the chat template nests too deeply to compile"
+    except Exception as exc:  # whatever else constant folding can provoke
+        return f"the chat template does not compile: {type(exc).__name__}: {exc}"
+    return None
 
 
 def serve() -> None:
