@@ -168,7 +168,9 @@ def test_bounded_stress_every_job_ends_once_and_the_pool_empties(tiny: LoadedMod
                 continue
             accepted[request.job_id] = job
             alone[request.job_id] = (prompt, max_tokens)
-            if rng.random() < 0.25:
+            # The six long jobs are never cancelled: a cancel landing before one of them is admitted
+            # could leave the rest fitting the pool, and then nothing would be preempted.
+            if rng.random() < 0.25 and i >= 6:
                 threading.Timer(rng.uniform(0, 0.05), engine.cancel, (request.job_id,)).start()
         for job in accepted.values():
             job.wait(60)
