@@ -39,11 +39,6 @@ def family_of(path: str) -> str:
     return "worker"
 
 
-def speaks_openai(path: str) -> bool:
-    """Whether errors on `path` take OpenAI's shape."""
-    return family_of(path) == "openai"
-
-
 def error_for_path(path: str, status: int, message: str, *, code: str | None = None, kind: str | None = None,
                    field: str = "request", constraint: str = "valid", headers: dict[str, str] | None = None
                    ) -> JSONResponse:
