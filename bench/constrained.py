@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from llorch.engine.config import EngineConfig, build_engine
+from llorch.engine.config import EngineConfig
 from llorch.engine.engine import Engine
+from llorch.engine.factory import build_engine
 from llorch.engine.masks import fill_mask
 from llorch.engine.request import Constraint, Event, GenerationRequest, SamplingParams
 

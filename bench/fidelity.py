@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from llorch.engine.kv.pool import allocate_kv
-from llorch.models.paged import contiguous_step
+from llorch.models.step_batch import contiguous_step
 from llorch.weights.loader import LoadedModel, load_model
 
 TOKENS = 256

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from llorch.engine.config import EngineConfig, build_engine
+from llorch.engine.config import EngineConfig
+from llorch.engine.factory import build_engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams, TokenText
 
 SYSTEM_SENTENCE = ("You are a careful assistant for a travel agency; answer briefly, cite no sources, "

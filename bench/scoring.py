@@ -16,8 +16,9 @@ import statistics
 import threading
 import time
 
-from llorch.engine.config import EngineConfig, build_engine
+from llorch.engine.config import EngineConfig
 from llorch.engine.engine import Engine
+from llorch.engine.factory import build_engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams
 
 

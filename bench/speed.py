@@ -46,7 +46,7 @@ import models
 from launch import free_port, start_server, stop
 from llorch.device import cpuinfo, physical_cores
 from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
-from llorch.engine.runner import ModelRunner, Segment
+from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
 from soak import rss_mb
@@ -88,12 +88,12 @@ def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
                          kv_cache_bytes=(tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, loaded.dtype))
     blocks = list(range(1, runner.kv.num_blocks))
 
-    def forward(segment: Segment) -> int:
+    def forward(segment: ChunkInput) -> int:
         with torch.inference_mode():
             return int(torch.argmax(runner.forward([segment])[0]))
 
-    return timed_greedy(lambda: forward(Segment(ids, 0, blocks, True)),
-                        lambda token, i: forward(Segment([token], PROMPT_TOKENS + i, blocks, True)))
+    return timed_greedy(lambda: forward(ChunkInput(ids, 0, blocks, True)),
+                        lambda token, i: forward(ChunkInput([token], PROMPT_TOKENS + i, blocks, True)))
 
 
 def bench_llama_cpp(llama_cpp: Any, model: Path, ids: list[int], threads: int) -> dict[str, float]:

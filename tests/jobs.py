@@ -6,8 +6,9 @@ import dataclasses
 import threading
 from typing import Any
 
-from llorch.engine.config import EngineConfig, build_engine
+from llorch.engine.config import EngineConfig
 from llorch.engine.engine import Engine
+from llorch.engine.factory import build_engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams
 from llorch.weights.loader import LoadedModel
 

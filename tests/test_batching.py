@@ -31,10 +31,10 @@ from llorch.api.app import create_app
 from llorch.api.state import WorkerState
 from llorch.engine.engine import Engine
 from llorch.engine.errors import QueueFull
-from llorch.engine.kv.blocks import BlockPool
+from llorch.engine.kv.blocks import BlockAllocator
 from llorch.engine.kv.pool import bytes_per_block
 from llorch.engine.request import GenerationRequest, SamplingParams
-from llorch.engine.runner import ModelRunner, Segment
+from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
 from soak import soak
@@ -98,14 +98,14 @@ def test_batched_logits_equal_alone_within_the_dtype_tolerance(
     runner = ModelRunner(loaded.model, torch.device("cpu"), dtype, kv_cache_bytes=64 * 2**20)
     prompts = [loaded.tokenizer.encode(p) for p, _ in PROMPTS[:5]]
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
-    alone = torch.stack([runner.forward([Segment(ids, 0, table, True)])[0]
+    alone = torch.stack([runner.forward([ChunkInput(ids, 0, table, True)])[0]
                          for ids, table in zip(prompts, tables, strict=True)]).float()
     # One step: four sequences re-feed their last token (decode shape), the fifth reads
     # the rest of its prompt after a first chunk was cached in an earlier step.
     last = prompts[4]
-    runner.forward([Segment(last[:7], 0, tables[4], False)])
-    step = [Segment(ids[-1:], len(ids) - 1, table, True) for ids, table in zip(prompts[:4], tables[:4], strict=True)]
-    together = runner.forward([*step, Segment(last[7:], 7, tables[4], True)]).float()
+    runner.forward([ChunkInput(last[:7], 0, tables[4], False)])
+    step = [ChunkInput(ids[-1:], len(ids) - 1, table, True) for ids, table in zip(prompts[:4], tables[:4], strict=True)]
+    together = runner.forward([*step, ChunkInput(last[7:], 7, tables[4], True)]).float()
     scale = alone.abs().max()
     difference = (together - alone).abs().max()
     assert difference <= relative_tolerance * scale
@@ -217,7 +217,7 @@ def test_http_stress_disconnects_cancels_and_busy_answers(tiny_worker: Worker) -
 
 
 def test_block_pool_reference_counts_and_evicts_least_recently_released() -> None:
-    pool = BlockPool(num_blocks=5, block_size=4)
+    pool = BlockAllocator(num_blocks=5, block_size=4)
     a, b = pool.allocate(), pool.allocate()
     assert (a, b) == (1, 2) and pool.free_blocks == 2
     pool.register(a, b"A")
@@ -242,8 +242,8 @@ def test_rope_positions_follow_the_block_table_not_the_slot(ours: LoadedModel) -
     ids = ours.tokenizer.encode(PROMPTS[5][0])
     blocks = runner.kv.num_blocks
     scattered = list(np.random.default_rng(0).permutation(np.arange(1, blocks))[:8])
-    first = runner.forward([Segment(ids, 0, list(range(1, 9)), True)])
-    second = runner.forward([Segment(ids, 0, [int(b) for b in scattered], True)])
+    first = runner.forward([ChunkInput(ids, 0, list(range(1, 9)), True)])
+    second = runner.forward([ChunkInput(ids, 0, [int(b) for b in scattered], True)])
     assert (first - second).abs().max() < 1e-4
 
 

@@ -11,8 +11,9 @@ import pytest
 from jobs import GREEDY, Job, make_engine
 from llorch.engine.engine import Engine
 from llorch.engine.errors import RequestRejected
-from llorch.engine.grammar import MAX_GRAMMAR_BYTES, token_bytes
+from llorch.engine.grammar import MAX_GRAMMAR_BYTES
 from llorch.engine.request import Constraint, GenerationRequest, SamplingParams
+from llorch.engine.vocabulary import token_bytes
 from llorch.weights.loader import LoadedModel
 
 pytestmark = pytest.mark.cpu
@@ -143,3 +144,21 @@ def test_token_bytes_spell_every_token_as_the_tokenizer_decodes_it(served: Loade
         checked += 1
     assert checked > 2000
     assert all(spelled[i] == bytes([int(tokenizer.backend.id_to_token(i)[3:5], 16)]) for i in tokenizer.byte_token_ids)
+
+
+def test_constrained_rows_on_the_torch_path_are_masked_however_many_share_a_step(ours: LoadedModel) -> None:
+    """The torch decoder's logits are inference tensors, laid out differently for few and many rows:
+    masking them in place must work for any batch, and never stop the engine."""
+    torch_engine = make_engine(ours, max_running=8)
+    try:
+        for count in (1, 8):
+            jobs = [submit(torch_engine, GenerationRequest(f"regex-{count}-{i}", "Say it:", 8,
+                                                           SamplingParams(temperature=1.0, seed=i),
+                                                           constraint=Constraint("regex", "(cuda|cpu)!", "regex")))
+                    for i in range(count)]
+            for job in jobs:
+                assert job.wait()["type"] == "end", job.events[-1]
+                assert job.text in ("cuda!", "cpu!")
+        assert torch_engine.alive
+    finally:
+        torch_engine.stop()

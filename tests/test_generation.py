@@ -21,7 +21,7 @@ from llorch.api.app import create_app
 from llorch.api.state import WorkerState
 from llorch.engine.engine import Engine
 from llorch.engine.request import GenerationRequest, SamplingParams
-from llorch.engine.runner import ModelRunner, Segment
+from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.weights.loader import LoadedModel
 
 pytestmark = pytest.mark.cpu
@@ -44,11 +44,11 @@ def test_stop_sequence_ends_before_its_text(engine: Engine, ours: LoadedModel) -
     assert job.text == full[: full.index(" country")]
 
 
-def fail_at(monkeypatch: pytest.MonkeyPatch, doomed: Callable[[Segment], bool], error: Exception) -> None:
+def fail_at(monkeypatch: pytest.MonkeyPatch, doomed: Callable[[ChunkInput], bool], error: Exception) -> None:
     """Make the runner raise `error` for any step holding a segment for which `doomed` is true."""
     real_forward = ModelRunner.forward
 
-    def forward(self: ModelRunner, segments: list[Segment]) -> Any:
+    def forward(self: ModelRunner, segments: list[ChunkInput]) -> Any:
         if any(doomed(segment) for segment in segments):
             raise error
         return real_forward(self, segments)

@@ -87,7 +87,7 @@ def test_decoding_token_by_token_gives_the_bits_of_one_prompt_pass(served: Loade
 
 def all_logits_stepped(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     from conftest import model_device, new_cache
-    from llorch.models.paged import contiguous_step
+    from llorch.models.step_batch import contiguous_step
 
     device, cache, rows = model_device(loaded), new_cache(loaded, len(ids)), []
     with torch.inference_mode():
@@ -118,3 +118,33 @@ def test_every_kernel_variant_is_as_faithful_to_the_exact_model(model_path: Path
 def test_a_token_id_out_of_the_vocabulary_is_refused_not_read(served: LoadedModel) -> None:
     with pytest.raises(IndexError, match="out of range"):
         all_logits(served, [2, served.config.vocab_size])
+
+
+@pytest.mark.parametrize("variant", [v.name for v in build.runnable_variants()])
+def test_the_python_struct_mirrors_lay_out_exactly_as_the_c_library_does(variant: str) -> None:
+    from llorch.kernels.step import C_LAYOUT_ORDER, c_layout, layout
+
+    lib = build.load_variant(variant)
+    for struct in C_LAYOUT_ORDER:
+        assert layout(struct) == c_layout(lib, struct), f"{struct.__name__} differs between Python and C"
+
+
+def test_an_allocation_the_c_step_cannot_make_fails_its_jobs_and_the_worker_goes_on(served: LoadedModel) -> None:
+    from jobs import make_engine, run
+
+    lib = build.library()
+    engine = make_engine(served)
+    try:
+        baseline = run(engine, "before")
+        assert baseline.wait()["type"] == "end"
+        lib.llorch_fail_allocations(1)  # the step's next buffer is refused, as an exhausted machine would
+        failed = run(engine, "starved")
+        ending = failed.wait()
+        assert ending["type"] == "error" and ending["code"] == "INFERENCE_FAILED"
+        assert "could not allocate" in ending["message"] and len(failed.terminal_events) == 1
+        after = run(engine, "after")
+        assert after.wait()["type"] == "end" and after.text == baseline.text
+        assert engine.alive and engine.stats().kv_blocks_used == 0
+    finally:
+        lib.llorch_fail_allocations(0)
+        engine.stop()

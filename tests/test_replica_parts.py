@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llorch.api.streaming import NDJSON, SSE
 from llorch.replicas.affinity import BLOCK_CHARS, PrefixAffinity
-from llorch.replicas.front import lost_stream_ending, merge_expositions
+from llorch.replicas.gateway import lost_stream_ending, merge_expositions
 from llorch.replicas.relay import RelayedRequest, RelayedStart, answer_in_process, routing_text
 
 pytestmark = pytest.mark.cpu
@@ -52,6 +52,10 @@ def test_routing_text_is_what_the_model_reads_first() -> None:
     text, other = routing_text("/v1/chat/completions", chat), routing_text("/v1/chat/completions", same_system)
     assert text.startswith("system\x00be brief\x00user\x00hi") and other.startswith("system\x00be brief\x00user")
     assert routing_text("/v1/models", {"prompt": "x"}) == ""
+    # The same routes without /v1, and llama-server's /completion, route by their prompts too.
+    assert routing_text("/chat/completions", chat) == text
+    assert routing_text("/completions", {"prompt": "hello"}) == routing_text("/completion", {"prompt": "hello"}) \
+        == "hello"
     assert routing_text("/execute", ["not", "an", "object"]) == ""
     assert len(routing_text("/execute", {"prompt": "x" * 100_000})) == 8192
 

@@ -1,9 +1,10 @@
-"""Giving the allocator's freed memory back to the system."""
+"""The C allocator: giving its freed memory back to the system, and how much it has handed out."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+from typing import Any
 
 
 def release_freed_memory() -> None:
@@ -16,3 +17,29 @@ def release_freed_memory() -> None:
     """
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim this way
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def heap_bytes() -> int:
+    """Bytes the C allocator has handed out and not had back, all threads together (glibc's
+    mallinfo2); 0 where the allocator cannot say."""
+    if _mallinfo2 is None:
+        return 0
+    info = _mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _load_mallinfo2() -> Any:
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+_mallinfo2 = _load_mallinfo2()

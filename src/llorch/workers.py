@@ -27,9 +27,11 @@ from llorch.api.connections import RequestLimit, guarded_protocol
 from llorch.api.cors import parse_origins
 from llorch.api.state import WorkerState
 from llorch.device import Backend, physical_cores, resolve_backend, verify_device
-from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES, EngineConfig, build_engine
+from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES
+from llorch.engine.factory import build_engine
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
+from llorch.settings import ServingSettings
 
 log = logging.getLogger("llorch.worker")
 
@@ -72,6 +74,8 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--cors-origins", type=cors_origins, default=None,
                         help="origins whose web pages may call the worker: comma-separated, '*' for any, 'none' for "
                              "no cross-origin calls (default: http(s) pages on localhost and 127.0.0.1, any port)")
+    parser.add_argument("--slots", action=argparse.BooleanOptionalAction, default=False,
+                        help="serve llama-server's GET /slots, the jobs in flight (default off, as --no-slots)")
     parser.add_argument("--chat-template-file", default=None,
                         help="jinja2 chat template to use instead of the model's own")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -126,17 +130,18 @@ def report_failure(program: str, message: str) -> None:
 def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     program = f"llorch-{backend_name}-worker"
     args = build_parser(program, backend_name).parse_args(argv)
-    setup_logging(args.log_format, args.log_level)
+    settings = ServingSettings.from_args(backend_name, args)
+    setup_logging(settings.log_format, settings.log_level)
     process_start = time.perf_counter()
     try:
-        backend = open_backend(backend_name, args)
+        backend = open_backend(settings)
     except StartupError as exc:
         report_failure(program, str(exc))
         return exc.exit_code
     state = WorkerState(backend=backend.name, device=str(backend.device))
-    app = create_app(state, args.api_key, args.cors_origins)
+    app = create_app(state, settings.api_key, settings.origins, slots=settings.slots)
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
-    lifecycle = Lifecycle(program, args, backend, state, worker_id, process_start)
+    lifecycle = Lifecycle(program, args, settings, backend, state, worker_id, process_start)
     try:
         return asyncio.run(lifecycle.run(app))
     finally:
@@ -144,29 +149,29 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
             state.engine.stop()
 
 
-def open_backend(backend_name: str, args: argparse.Namespace) -> Backend:
+def open_backend(settings: ServingSettings) -> Backend:
     """The program's hard-wired backend with its threads set and its device proven, or StartupError.
 
     Checked before anything else, so a missing backend fails at once (a Ray replica builds its
     engine through here too)."""
-    backend = resolve_backend(backend_name, getattr(args, "cuda_device", 0))
-    torch.set_num_threads(args.threads or physical_cores())
+    backend = resolve_backend(settings.backend, settings.cuda_device)
+    torch.set_num_threads(settings.threads or physical_cores())
     verify_device(backend.device)
     return backend
 
 
-def load_engine(args: argparse.Namespace, backend: Backend, state: WorkerState) -> None:
-    """Build the engine from the flags, start it and attach it to `state` (runs in a worker thread)."""
+def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
+    """Build the engine from the settings, start it and attach it to `state` (runs in a worker thread)."""
 
     def progress(done: int, total: int) -> None:
         state.loading_progress = done / total
 
-    engine = build_engine(EngineConfig.from_args(args), backend.device, telemetry=state.telemetry, progress=progress)
+    engine = build_engine(settings.engine, backend.device, telemetry=state.telemetry, progress=progress)
     engine.start()
     state.attach(engine)
 
 
-def load_in_passing_thread(args: argparse.Namespace, backend: Backend, state: WorkerState) -> None:
+def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
     """load_engine in a thread of its own that ends with it (its errors raised here).
 
     Loading runs OpenMP regions (torch's, the kernels' repacking); OpenMP keeps a pool of
@@ -181,7 +186,7 @@ def load_in_passing_thread(args: argparse.Namespace, backend: Backend, state: Wo
 
     def run() -> None:
         try:
-            load_engine(args, backend, state)
+            load_engine(settings, backend, state)
         except BaseException as exc:  # raised again in the caller's thread
             failure.append(exc)
 
@@ -195,9 +200,9 @@ def load_in_passing_thread(args: argparse.Namespace, backend: Backend, state: Wo
 class Lifecycle:
     """bind -> load (health says loading) -> ready callback -> serve -> drain on SIGTERM/SIGINT -> exit."""
 
-    def __init__(self, program: str, args: argparse.Namespace, backend: Backend, state: WorkerState,
-                 worker_id: str, process_start: float) -> None:
-        self.program, self.args, self.backend, self.state = program, args, backend, state
+    def __init__(self, program: str, args: argparse.Namespace, settings: ServingSettings, backend: Backend,
+                 state: WorkerState, worker_id: str, process_start: float) -> None:
+        self.program, self.args, self.settings, self.backend, self.state = program, args, settings, backend, state
         self.worker_id, self.process_start = worker_id, process_start
         self.server: uvicorn.Server | None = None
         self.drain_task: asyncio.Task[None] | None = None
@@ -224,7 +229,7 @@ class Lifecycle:
             log.warning("listening beyond loopback", extra={"host": args.host, "auth": bool(args.api_key)})
 
         try:
-            await asyncio.to_thread(load_in_passing_thread, args, self.backend, self.state)
+            await asyncio.to_thread(load_in_passing_thread, self.settings, self.backend, self.state)
         except StartupError as exc:
             report_failure(self.program, str(exc))
             await self.stop_server(task)

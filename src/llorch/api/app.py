@@ -1,5 +1,6 @@
 """The worker API (DESIGN.md): GET /health, POST /execute (streamed events), POST /cancel,
-plus GET /metrics (Prometheus) and the OpenAI API under /v1.
+plus GET /metrics (Prometheus), the OpenAI API under /v1 (and at the root, as llama-server
+serves it), Anthropic's, Ollama's and llama-server's own routes.
 
 The server starts before the model is loaded, so /health can say `loading` (with
 progress); every other endpoint answers 503 until the engine is attached. Handlers
@@ -21,7 +22,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llorch.api import anthropic, ollama, openai, responses
+from llorch.api import anthropic, llama_server, ollama, openai, responses, tokenizer_routes
 from llorch.api.anthropic import create_anthropic_router
 from llorch.api.auth import install_bearer_auth
 from llorch.api.body import BadRequest, openapi_components, openapi_json_body, read_json
@@ -36,6 +37,7 @@ from llorch.api.errors import (
     worker_refusal,
 )
 from llorch.api.jobs import JobStream
+from llorch.api.llama_server import create_llama_server_router
 from llorch.api.ollama import create_ollama_router
 from llorch.api.openai import create_openai_router
 from llorch.api.page import create_page_router
@@ -50,6 +52,7 @@ from llorch.logs import correlation_id
 # The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
 WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
 CORRELATION_HEADER = "X-Correlation-ID"
+OPENAI_PREFIX = "/v1"
 
 
 # One server-sent event, as OpenAPI describes them: its name, and JSON in its data line.
@@ -69,14 +72,20 @@ _CANCEL_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(state: WorkerState, api_key: str | None = None, cors_origins: list[str] | None = None) -> FastAPI:
-    """The worker's app; `cors_origins` as cors.parse_origins gives them (None: pages on localhost)."""
+def create_app(state: WorkerState, api_key: str | None = None, cors_origins: list[str] | None = None,
+               slots: bool = False) -> FastAPI:
+    """The worker's app; `cors_origins` as cors.parse_origins gives them (None: pages on localhost);
+    `slots` serves llama-server's GET /slots (--slots)."""
     # No /docs or /redoc: their pages load scripts from a CDN, which a machine without internet cannot reach.
     app = FastAPI(title="llorch worker", version="0.1.0", docs_url=None, redoc_url=None)
-    app.include_router(create_anthropic_router(state))  # before the OpenAI router: both live under /v1
-    app.include_router(create_responses_router(state))
-    app.include_router(create_openai_router(state))
+    app.include_router(create_anthropic_router(state))  # before the OpenAI routers: both live under /v1
+    # The OpenAI routes again without the prefix, as llama-server serves them (clients whose base URL has no
+    # /v1): a route added to these routers gets its alias here; errors.family_of gives them OpenAI's shape.
+    for router in (create_responses_router(state), create_openai_router(state)):
+        app.include_router(router, prefix=OPENAI_PREFIX)
+        app.include_router(router, include_in_schema=False)
     app.include_router(create_tokenizer_router(state))
+    app.include_router(create_llama_server_router(state, slots))
     app.include_router(create_ollama_router(state))
     app.include_router(create_page_router())
     if api_key:
@@ -165,7 +174,7 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             documented = (openai.OPENAPI_MODELS + anthropic.OPENAPI_MODELS + responses.OPENAPI_MODELS
-                          + ollama.OPENAPI_MODELS)
+                          + ollama.OPENAPI_MODELS + tokenizer_routes.OPENAPI_MODELS + llama_server.OPENAPI_MODELS)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components(documented))
             app.openapi_schema = schema
         return app.openapi_schema

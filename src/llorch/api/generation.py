@@ -32,9 +32,8 @@ def tool_constraint(engine: Engine, tools: list[dict[str, Any]], mode: str, para
     """The template's tool-call format and the grammar that keeps the model's turn to it."""
     template = engine.chat_template
     fmt = format_for(template.source if template else None, bool(template and template.reads_tools))
-    tokenizer = engine.front.tokenizer
-    marker_id = tokenizer.backend.token_to_id(fmt.marker) if fmt.marker else None
-    special = {fmt.marker: marker_id} if marker_id is not None and marker_id in tokenizer.special_ids else {}
+    marker_id = engine.tokens.token_id(fmt.marker) if fmt.marker else None
+    special = {fmt.marker: marker_id} if marker_id is not None and marker_id in engine.tokens.special_ids else {}
     return fmt, Constraint("lark", tool_grammar(fmt, tools, mode, parallel, special), "tools")
 
 

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.body import BadRequest, read_json, request_body
-from llorch.api.errors import RETRY, error_responses
+from llorch.api.errors import RETRY, error_responses, job_error_parts, refusal_parts
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, tool_constraint, unless_disconnected
 from llorch.api.jobs import JobStream
 from llorch.api.ollama_schemas import (
@@ -45,8 +45,8 @@ from llorch.api.tool_calls import ToolFormat, new_call_id
 from llorch.api.turn import Piece, Turn
 from llorch.api.violations import one_message
 from llorch.engine.engine import Engine
-from llorch.engine.errors import DuplicateJob, EngineRefusal, QueueFull, RequestRejected
-from llorch.engine.request import End, Error, ErrorCode, Event, GenerationRequest, Started, TokenLogprob, TokenText
+from llorch.engine.errors import EngineRefusal
+from llorch.engine.request import End, Error, Event, GenerationRequest, Started, TokenLogprob, TokenText
 from llorch.weights.model_facts import ModelFacts
 
 OPENAPI_MODELS: tuple[type[BaseModel], ...] = (ChatRequest, GenerateRequest, ShowRequest)
@@ -121,21 +121,11 @@ def check_model(engine: Engine, name: str) -> None:
 
 
 def refusal(exc: EngineRefusal) -> OllamaError:
-    if isinstance(exc, RequestRejected):
-        return OllamaError(400, f"{FIELD_NAMES.get(exc.field, exc.field)}: {exc.message}")
-    if isinstance(exc, QueueFull):
-        return OllamaError(503, f"the worker is busy: {exc}; retry shortly", RETRY)
-    if isinstance(exc, DuplicateJob):  # job ids are random: a collision is the server's fault
-        return OllamaError(500, "job id collision")
-    raise TypeError(f"unmapped refusal {type(exc).__name__}")
+    return OllamaError(*refusal_parts(exc, FIELD_NAMES))
 
 
 def job_error(event: Error) -> OllamaError:
-    if event.code is ErrorCode.VRAM_OOM:
-        return OllamaError(503, event.message)
-    if event.code is ErrorCode.CANCELLED:  # the worker is draining: try again (elsewhere)
-        return OllamaError(503, f"the job was cancelled: {event.message}", RETRY)
-    return OllamaError(500, event.message)
+    return OllamaError(*job_error_parts(event))
 
 
 def now() -> str:

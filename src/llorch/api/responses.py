@@ -107,7 +107,7 @@ def as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def create_responses_router(state: WorkerState) -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter()  # app.py serves it under /v1 and at the root
     store = ResponseStore()
 
     @router.post("/responses", response_model=None, openapi_extra=request_body(ResponseRequest),

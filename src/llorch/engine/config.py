@@ -1,45 +1,18 @@
-"""How an engine is configured and built: one EngineConfig, one build_engine.
+"""How an engine is configured: one frozen EngineConfig, built from a worker's flags (`from_args`) or in code.
 
-EngineConfig is plain frozen data, built from a worker's flags (`from_args`) or in
-code (tests, benchmarks). build_engine is the only place a model runner and an
-engine are assembled; the policies that size them live here too: the compute
-dtype, whether GGUF weights stay quantized, and the KV pool's budget. Before any of
-that, the model proves it computes: a forward over a short text must give finite
-logits (a config.json can hold finite, valid-looking numbers, a rope_theta of 1e-300,
-that make every logit NaN).
+Building an engine from it (and the policies that size it) is the factory's work (factory.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-
-from llorch.engine.engine import Engine
-from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
-from llorch.engine.runner import ModelRunner
-from llorch.engine.telemetry import Telemetry
-from llorch.errors import StartupError
-from llorch.kernels.build import KernelUnavailable
-from llorch.kernels.build import library as kernel_library
-from llorch.memory import release_freed_memory
-from llorch.models.paged import contiguous_step
-from llorch.weights.chat_families import family_for
-from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
-from llorch.weights.default_model import default_model_path
-from llorch.weights.loader import LoadedModel, load_model, read_template_file
-
-log = logging.getLogger("llorch.engine")
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 DEFAULT_CPU_KV_MB = 512
 DEFAULT_CUDA_KV_FRACTION = 0.5
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog."  # start-up's proof that the logits are finite
-PROBE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -65,116 +38,3 @@ class EngineConfig:
                    prefix_caching=not args.no_prefix_cache, request_timeout=args.request_timeout,
                    max_prompt_tokens=args.max_prompt_tokens, dequantize=getattr(args, "dequantize", False),
                    chat_template_file=args.chat_template_file)
-
-
-def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
-    if choice != "auto":
-        return DTYPES[choice]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # float32 on every CPU, measured rather than inferred from a flag: the int8 kernels compute in
-    # float32 (bf16 activations were 30% slower even with AVX512-BF16), and dense weights keep the
-    # file's exact numbers. `--dtype bf16` trades those numbers for dense-weight speed.
-    return torch.float32
-
-
-def keeps_quantized(config: EngineConfig, device: torch.device) -> bool:
-    """GGUF weights stay quantized for the CPU kernels, unless told otherwise or they cannot build here."""
-    if device.type != "cpu" or config.dequantize:
-        return False
-    try:
-        kernel_library()
-    except KernelUnavailable as exc:
-        log.warning("int8 kernels unavailable, GGUF weights will be dequantized", extra={"reason": str(exc)})
-        return False
-    return True
-
-
-def kv_pool_bytes(config: EngineConfig, model: LoadedModel, device: torch.device, ctx_size: int) -> int:
-    """The KV pool's budget: the operator's, else a default for the device capped at max_running
-    full contexts (plus the padding block)."""
-    block = bytes_per_block(model.config, model.dtype)
-    if config.kv_cache_bytes is not None:
-        budget = config.kv_cache_bytes
-    else:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * DEFAULT_CUDA_KV_FRACTION)
-        else:
-            budget = DEFAULT_CPU_KV_MB * 2**20
-        budget = min(budget, (config.max_running * -(-ctx_size // BLOCK_SIZE) + 1) * block)
-    if budget < 2 * block:
-        raise StartupError(f"--kv-cache-mb {budget / 2**20:g} is smaller than two KV blocks of this model "
-                           f"({2 * block / 2**20:.2f} MB)")
-    return budget
-
-
-def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
-    """The operator's template file, else the model's own, else its family's (chat_families.py)."""
-    source, name = loaded.chat_template, "model"
-    if path:
-        source, name = read_template_file(Path(path)), "file"
-    tokenizer = loaded.tokenizer
-    if source is None:
-        family = family_for(loaded.config.architecture, tokenizer.backend.get_vocab())
-        source, name = family.template, f"family:{family.name}"
-    log.info("chat template", extra={"chat_template": name})
-    bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else ""
-    eos = tokenizer.eos_token_id
-    try:
-        return ChatTemplate(source, bos, tokenizer.token_text(eos) if eos is not None else "", name)
-    except ChatTemplateError as exc:
-        raise StartupError(f"{path or loaded.path}: {exc}") from exc
-
-
-def prove_finite_logits(loaded: LoadedModel, device: torch.device) -> None:
-    """A forward over PROBE_TEXT on a cache of its own; StartupError when any of its logits is NaN or infinite.
-
-    A model whose numbers overflow would otherwise load, then sample from NaN and answer
-    every request for log-probabilities with numbers JSON cannot carry.
-    """
-    ids = loaded.tokenizer.encode(PROBE_TEXT)[:PROBE_TOKENS]
-    if not ids:
-        return
-    step = contiguous_step(loaded.config, 0, len(ids), device, last_only=False)
-    cache = allocate_kv(loaded.config, len(ids), loaded.dtype, device, zeroed=True)
-    with torch.inference_mode():
-        logits = loaded.model(torch.tensor(ids, dtype=torch.long, device=device), step, cache).float()
-    finite = torch.isfinite(logits)
-    if bool(finite.all()):
-        return
-    kinds = [name for name, found in (("NaN", torch.isnan(logits).any()), ("infinite", torch.isinf(logits).any()))
-             if bool(found)]
-    first = int((~finite).any(dim=-1).nonzero()[0])
-    raise StartupError(f"{loaded.path}: the model computes {' and '.join(kinds)} logits on a test text of {len(ids)} "
-                       f"tokens (from token {first} on): its weights or its configuration (rope_theta, rope_scaling, "
-                       "a norm epsilon, the compute dtype) overflow; it cannot be served")
-
-
-def build_engine(config: EngineConfig, device: torch.device | None = None, *, loaded: LoadedModel | None = None,
-                 telemetry: Telemetry | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> Engine:
-    """Load the model (unless `loaded` is given) and assemble its runner and engine, not yet started."""
-    device = device or torch.device("cpu")
-    if loaded is None:
-        dtype = resolve_dtype(config.dtype, device)
-        loaded = load_model(config.model or default_model_path(), device, dtype, progress=progress,
-                            keep_quantized=keeps_quantized(config, device))
-    prove_finite_logits(loaded, device)
-    release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
-    ctx_size = config.ctx_size or loaded.config.context_length
-    if not 0 < ctx_size <= loaded.config.context_length:
-        source = "--ctx-size" if config.ctx_size else "the model's context_length"
-        raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
-    runner = ModelRunner(loaded.model, device, loaded.dtype, kv_pool_bytes(config, loaded, device, ctx_size))
-    engine = Engine(runner, loaded.tokenizer, replace(config, ctx_size=ctx_size), model_name=loaded.name,
-                    model_id=loaded.model_id, chat_template=load_chat_template(config.chat_template_file, loaded),
-                    telemetry=telemetry, model_path=loaded.path)
-    dtype_name = str(loaded.dtype).removeprefix("torch.")
-    engine.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
-                                 "dtype": dtype_name})
-    log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(device),
-                                    "dtype": dtype_name, "threads": torch.get_num_threads(),
-                                    "weights": "gguf blocks" if loaded.quantized else "dense",
-                                    "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes})
-    return engine

@@ -10,7 +10,7 @@ natively, and needs neither transformers nor triton at run time.
 The library's view of the vocabulary (a token trie, and sub-tries for JSON strings) is
 built once, on the first constrained request (a request thread), never on the start-up
 path: 1-2 s and about 120 MB resident at 262k tokens when it is handed each token's bytes
-(`token_bytes`), where letting it parse the tokenizer's JSON again took 3 s and kept a
+(vocabulary.py), where letting it parse the tokenizer's JSON again took 3 s and kept a
 second tokenizer of 134 MB. llguidance's constructor holds the GIL throughout (about 1 s
 of it), so /health can wait that long, once.
 
@@ -32,22 +32,21 @@ counted: an estimate) and at most CACHED_GRAMMARS of them.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
-from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from llorch.engine.errors import RequestRejected
 from llorch.engine.json_bounds import JSON_OPTIONS, bounded
 from llorch.engine.request import Constraint
-from llorch.memory import release_freed_memory
-from llorch.weights.tokenizer import SPACE_MARK, Tokenizer
+from llorch.engine.vocabulary import ll_tokenizer
+from llorch.memory import heap_bytes, release_freed_memory
+from llorch.weights.tokenizer import Tokenizer
 
 MAX_GRAMMAR_BYTES = 64 * 1024
 CACHED_GRAMMARS = 128
@@ -230,93 +229,6 @@ def first_set_bit(mask: bytes | bytearray) -> int | None:
         return None
     byte = mask[zeros]
     return zeros * 8 + (byte & -byte).bit_length() - 1
-
-
-def heap_bytes() -> int:
-    """Bytes the C allocator has handed out and not had back, all threads together (glibc's
-    mallinfo2); 0 where the allocator cannot say."""
-    if _mallinfo2 is None:
-        return 0
-    info = _mallinfo2()
-    return int(info.uordblks + info.hblkhd)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _load_mallinfo2() -> Any:
-    try:
-        function = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):  # not glibc, or older than 2.33
-        return None
-    function.restype = _MallInfo2
-    return function
-
-
-_mallinfo2 = _load_mallinfo2()
-
-
-def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
-    eos = sorted(tokenizer.eos_token_ids)
-    tokens = token_bytes(tokenizer, vocab_size)
-    if tokens is None:  # a tokenizer kind we cannot spell byte by byte: let llguidance read its JSON
-        return LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-    return LLTokenizer(TokenizerWrapper(_Vocabulary(tokenizer, tokens)), n_vocab=vocab_size, eos_token=eos)
-
-
-class _Vocabulary:
-    """What llguidance's TokenizerWrapper reads: every token's bytes, and a way to tokenize text."""
-
-    def __init__(self, tokenizer: Tokenizer, tokens: list[bytes]) -> None:
-        self.tokens = tokens
-        self.eos_token_id = min(tokenizer.eos_token_ids, default=0)
-        self.bos_token_id = tokenizer.bos_token_id
-        self.special_token_ids = sorted(tokenizer.special_ids)
-        self._backend = tokenizer.backend
-
-    def __call__(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError("text, not bytes")
-        return self._backend.encode(text, add_special_tokens=False).ids
-
-
-def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes] | None:
-    """The bytes each token id stands for, or None for a tokenizer that is neither byte-level BPE
-    (GPT-2's byte-to-character alphabet) nor SentencePiece-style (U+2581 for a space, <0xNN> byte tokens)."""
-    backend = tokenizer.backend
-    decoder = backend.decoder.__getstate__().decode() if backend.decoder is not None else ""
-    byte_level = '"ByteLevel"' in decoder
-    if not byte_level and SPACE_MARK not in decoder and '"Metaspace"' not in decoder:
-        return None
-    added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-    from_char = {c: b for b, c in _byte_alphabet().items()}
-    tokens = [b""] * vocab_size
-    for text, i in backend.get_vocab(with_added_tokens=True).items():
-        if i >= vocab_size:
-            continue
-        if i in added:
-            tokens[i] = added[i].encode()
-        elif byte_level:
-            tokens[i] = bytes(from_char[c] for c in text) if all(c in from_char for c in text) else text.encode()
-        elif i in tokenizer.byte_token_ids:
-            tokens[i] = bytes([int(text[3:5], 16)])
-        else:
-            tokens[i] = text.replace(SPACE_MARK, " ").encode()
-    return tokens
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """Byte-level BPE's alphabet: printable bytes stand for themselves, the rest map past U+0100."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    alphabet = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in alphabet:
-            alphabet[b] = chr(256 + extra)
-            extra += 1
-    return alphabet
 
 
 KIND_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "lark": "Lark grammar"}

@@ -1,11 +1,14 @@
-"""The output stage: what happens to each accepted token, and how a job's stream ends.
+"""The output stage: text and events only.
 
-    sampled token -> logprob event -> end of generation? -> detokenize -> stop match
-                  -> token event -> max_tokens? -> metrics event (about once a second)
+    sampled tokens -> logprob events -> accepted tokens -> detokenize -> stop match
+                   -> token events -> metrics event (about once a second)
 
-Per sequence, SequenceOutput holds the text pipeline (incremental detokenizer and
-stop matcher) and the counters its events need. OutputProcessor emits every event a
-job produces, from `started` to its one terminal event; the engine decides when.
+It decides nothing about a sequence's state: the scheduler has already accepted the
+tokens (and ended the sequence at an end-of-generation token or max_tokens); a stop
+string found in the text goes back to the engine, which ends the job. Per job,
+JobOutput holds the text pipeline (incremental detokenizer and stop matcher), the
+event sink and the counters its events need; the stage owns it from `open` to the
+job's one terminal event.
 
 Every number it emits is one JSON can carry: a log-probability of -inf (a token a grammar
 rules out) is reported as ZERO_PROBABILITY_LOGPROB, and a NaN or +inf one (logits that
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -34,7 +38,7 @@ from llorch.engine.request import (
     TokenText,
 )
 from llorch.engine.sampler import Sampled
-from llorch.engine.sequence import Sequence
+from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.stop import StopMatcher
 from llorch.engine.telemetry import Telemetry
 from llorch.weights.tokenizer import Tokenizer
@@ -59,13 +63,15 @@ def wire_logprob(value: float, token_id: int) -> float:
                           "finite (its weights or configuration overflow), so this job cannot report them")
 
 
-class SequenceOutput:
-    """One job's text so far: detokenizer, stop matcher and event counters."""
+class JobOutput:
+    """One job's text so far: where its events go, detokenizer, stop matcher and event counters."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], emit: Callable[[Event], None]) -> None:
+        self.emit = emit
         self.detokenizer = IncrementalDetokenizer(tokenizer.decode, tokenizer.byte_token_ids, tokenizer.special_ids)
         self.stop = StopMatcher(stop)
         self.events_sent = 0  # token events, numbering the next one
+        self.sampled = 0  # tokens drawn for the job (an end-of-generation token included)
         self.decode_started = 0.0
         self.last_metrics = 0.0
 
@@ -77,14 +83,27 @@ class OutputProcessor:
         self.model_name = model_name
         self.telemetry = telemetry
         self._resident_bytes = resident_bytes
+        self._jobs: dict[str, JobOutput] = {}
+        self._lock = threading.Lock()  # `open` runs on the caller's thread, the rest on the engine's
+
+    def open(self, job_id: str, stop: tuple[str, ...], emit: Callable[[Event], None]) -> None:
+        """A job's text pipeline, built by the submitting thread (the detokenizer's set-up is not free)."""
+        job = JobOutput(self.tokenizer, stop, emit)
+        with self._lock:
+            self._jobs[job_id] = job
+
+    def _job(self, seq: Sequence) -> JobOutput:
+        with self._lock:
+            return self._jobs[seq.job_id]
 
     def started(self, seq: Sequence) -> None:
         started_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         self._emit(seq, Started(seq.job_id, self.model_name, started_at))
 
     def decoding(self, seq: Sequence) -> None:
-        """The job was admitted for the first time: its decode clock starts."""
-        seq.output.decode_started = seq.output.last_metrics = time.perf_counter()
+        """The job was admitted for the first time: its decode clock starts then (before that step ran)."""
+        out = self._job(seq)
+        out.decode_started = out.last_metrics = seq.admitted_at or time.perf_counter()
 
     def prompt_scored(self, seq: Sequence, start: int, scores: list[tuple[float, tuple[tuple[int, float], ...]]]
                       ) -> None:
@@ -92,51 +111,54 @@ class OutputProcessor:
         entries = tuple(self._logprob(token_id, logprob, top)
                         for token_id, (logprob, top) in zip(seq.prompt_ids[start : start + len(scores)], scores,
                                                             strict=True))
-        seq.next_scored = start + len(scores)
         self._emit(seq, PromptLogprobs(start, entries))
 
-    def accept(self, seq: Sequence, sampled: Sampled) -> StopReason | None:
-        """Take one sampled token; the reason the job ends with it, or None to go on."""
-        token_id = sampled.token_id
-        self.telemetry.generated_tokens.inc()
-        if not seq.output_ids:
-            self.telemetry.time_to_first_token.observe(time.perf_counter() - seq.accepted_at)
-        if sampled.logprob is not None:
-            self._emit(seq, self._logprob(token_id, sampled.logprob, sampled.top))
-        if token_id in self.tokenizer.eos_token_ids:
-            return StopReason.EOS
-        seq.append(token_id)
-        out = seq.output
-        self._text(seq, out.stop.feed(out.detokenizer.add(token_id)))
-        if out.stop.matched is not None:
-            return StopReason.STOP_SEQUENCE
-        if len(seq.output_ids) >= seq.max_tokens:
-            return StopReason.MAX_TOKENS
-        if time.perf_counter() - out.last_metrics >= METRICS_INTERVAL_S:
+    def tokens(self, seq: Sequence, sampled: list[Sampled], accepted: list[int]) -> bool:
+        """One step's tokens of a job: what was drawn (their log-probabilities) and what the scheduler
+        appended (their text). True when a stop string is matched: the job ends there."""
+        out = self._job(seq)
+        for draw in sampled:
+            self.telemetry.generated_tokens.inc()
+            if out.sampled == 0:
+                self.telemetry.time_to_first_token.observe(time.perf_counter() - seq.accepted_at)
+            out.sampled += 1
+            if draw.logprob is not None:
+                self._emit(seq, self._logprob(draw.token_id, draw.logprob, draw.top))
+        for token_id in accepted:
+            self._text(seq, out.stop.feed(out.detokenizer.add(token_id)))
+            if out.stop.matched is not None:
+                return True
+        if seq.state is not SequenceState.FINISHED and time.perf_counter() - out.last_metrics >= METRICS_INTERVAL_S:
             self._metrics(seq)
-        return None
+        return False
 
     def finish(self, seq: Sequence, reason: StopReason) -> None:
-        """The job's last text, a final metrics event and its `end` (the engine freed its blocks)."""
-        out = seq.output
+        """The job's last text, a final metrics event and its `end` (the scheduler freed its blocks)."""
+        out = self._job(seq)
         if seq.admitted and reason is not StopReason.CANCELLED:
             # Text held back for an unfinished character or a possible stop sequence.
             self._text(seq, out.stop.feed(out.detokenizer.flush()))
+            self._text(seq, out.stop.flush())
             if out.stop.matched is not None:
                 reason = StopReason.STOP_SEQUENCE
-            self._text(seq, out.stop.flush())
             self._metrics(seq)
         elapsed_ms = (time.perf_counter() - out.decode_started) * 1000 if out.decode_started else 0.0
         end = End(len(seq.output_ids), round(elapsed_ms, 3), reason, out.stop.matched)
         self.telemetry.requests.labels(outcome=reason.value.lower()).inc()
-        self._emit(seq, end)
+        self._close(seq, end)
         log.info("job finished", extra={"job_id": seq.job_id, "stop_reason": reason.value,
                                         "tokens_out": end.tokens_out, "decode_time_ms": end.decode_time_ms})
 
     def fail(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         self.telemetry.requests.labels(outcome=f"error_{code.value.lower()}").inc()
-        self._emit(seq, Error(code, message))
+        self._close(seq, Error(code, message))
         log.error("job failed", extra={"job_id": seq.job_id, "code": code.value, "error": message})
+
+    def _close(self, seq: Sequence, terminal: Event) -> None:
+        """Send the job's one terminal event and forget it."""
+        self._emit(seq, terminal)
+        with self._lock:
+            self._jobs.pop(seq.job_id, None)
 
     def _logprob(self, token_id: int, logprob: float, top: tuple[tuple[int, float], ...]) -> TokenLogprob:
         """One token's log-probability event (raises NonFiniteLogits before anything is emitted)."""
@@ -146,17 +168,22 @@ class OutputProcessor:
 
     def _text(self, seq: Sequence, text: str) -> None:
         if text:
-            self._emit(seq, TokenText(text, seq.output.events_sent))
-            seq.output.events_sent += 1
+            out = self._job(seq)
+            self._emit(seq, TokenText(text, out.events_sent))
+            out.events_sent += 1
 
     def _metrics(self, seq: Sequence) -> None:
-        out = seq.output
+        out = self._job(seq)
         out.last_metrics = time.perf_counter()
         elapsed = max(out.last_metrics - out.decode_started, 1e-9)
         self._emit(seq, Metrics(round(len(seq.output_ids) / elapsed, 2), self._resident_bytes()))
 
     def _emit(self, seq: Sequence, event: Event) -> None:
+        with self._lock:
+            out = self._jobs.get(seq.job_id)
+        if out is None:  # ended already: a job has exactly one terminal event
+            return
         try:
-            seq.emit(event)
+            out.emit(event)
         except Exception:  # a consumer that went away must not break the engine
             log.warning("event sink failed", extra={"job_id": seq.job_id, "event": event.type})

@@ -17,12 +17,13 @@ from llorch.device import assert_module_resident, tensor_bytes
 from llorch.engine.kv.block_table import slots_of
 from llorch.engine.kv.pool import KVPool
 from llorch.models.decoder import Decoder
-from llorch.models.paged import SegmentSpec, build_step
+from llorch.models.step_batch import ChunkSlots, build_step
 
 
 @dataclass(frozen=True)
-class Segment:
-    """One sequence's share of a step: feed `token_ids` after `start` cached tokens."""
+class ChunkInput:
+    """A chunk (one sequence's share of a step, scheduler.Chunk) as the runner reads it:
+    `token_ids` after `start` cached tokens."""
 
     token_ids: list[int]
     start: int
@@ -48,20 +49,21 @@ class ModelRunner:
         return self.weight_bytes + self.kv.bytes
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment]) -> Tensor:
-        """Logits [R, vocab] of the wanted rows after one batched forward: per segment, in order, its scored
+    def forward(self, chunks: list[ChunkInput]) -> Tensor:
+        """Logits [R, vocab] of the wanted rows after one batched forward: per chunk, in order, its scored
         rows and then its sampling row.
 
-        Single-token segments should come first and together: they share one attention call.
+        Single-token chunks should come first and together: they share one attention call.
         """
         specs, ids, logit_rows, row = [], [], [], 0
-        for seg in segments:
-            end = seg.start + len(seg.token_ids)
-            specs.append(SegmentSpec(seg.start, len(seg.token_ids), slots_of(seg.block_table, self.kv.block_size, end)))
-            ids.extend(seg.token_ids)
-            logit_rows.extend(row + offset for offset in seg.scored)
-            row += len(seg.token_ids)
-            if seg.wants_logits:
+        for chunk in chunks:
+            end = chunk.start + len(chunk.token_ids)
+            slots = slots_of(chunk.block_table, self.kv.block_size, end)
+            specs.append(ChunkSlots(chunk.start, len(chunk.token_ids), slots))
+            ids.extend(chunk.token_ids)
+            logit_rows.extend(row + offset for offset in chunk.scored)
+            row += len(chunk.token_ids)
+            if chunk.wants_logits:
                 logit_rows.append(row - 1)
         batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=self.kv.pad_slot)
         return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv.layers)

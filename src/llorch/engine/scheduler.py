@@ -12,6 +12,11 @@ recently admitted sequence, which is preempted: its blocks are released and it g
 back to the queue at its arrival position, to recompute its tokens when readmitted
 (its stream simply pauses). The oldest job therefore always makes progress.
 
+The scheduler makes every change of a sequence's state: admission, blocks, the tokens
+a step accepts (none, one or several per row), the ends that follow from them (an
+end-of-generation token, max_tokens, the grammar's end), prompt-scoring progress and
+finishing. The engine core only asks it and reports what the model produced.
+
 A job that scores its prompt needs the logits of every prompt row, not just the last:
 its chunks are capped so that a step never asks for more than SCORED_ROWS_PER_STEP
 such rows (the [rows x vocabulary] logits of a whole long prompt never exist at once),
@@ -21,10 +26,13 @@ blocks keep keys and values, not logits).
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from llorch.engine.kv.blocks import BlockPool
+from llorch.engine.kv.blocks import BlockAllocator
+from llorch.engine.request import StopReason
 from llorch.engine.sequence import Sequence, SequenceState
 
 # Rows of prompt-scoring logits one step may produce: 64 rows of a 262k vocabulary are 64 MiB of float32.
@@ -45,16 +53,31 @@ class Chunk:
 @dataclass
 class StepPlan:
     chunks: list[Chunk] = field(default_factory=list)  # single tokens first, then prompt chunks
-    admitted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # running for the first time
+    resumed: list[Sequence] = field(default_factory=list)  # running again after a preemption
     preempted: list[Sequence] = field(default_factory=list)
     prefix_hit_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Accepted:
+    """What a row's tokens of one step became."""
+
+    tokens: list[int]  # appended to the sequence, in order (an end-of-generation token never is)
+    reason: StopReason | None  # the sequence ended with them (None: it goes on)
+
+
+class GrammarRefused(RuntimeError):
+    """A constrained job's grammar refused a token its own mask allowed (a grammar engine fault)."""
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockPool, max_running: int, max_batch_tokens: int) -> None:
+    def __init__(self, blocks: BlockAllocator, max_running: int, max_batch_tokens: int,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.blocks = blocks
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self._scored_left = SCORED_ROWS_PER_STEP  # prompt-scoring rows this step may still take
@@ -73,13 +96,46 @@ class Scheduler:
                 return seq
         return None
 
-    def remove(self, seq: Sequence) -> None:
-        """Forget a finished sequence and release its blocks."""
+    def finish(self, seq: Sequence) -> None:
+        """End a sequence: forget it, release its blocks and its sampling state (idempotent)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release_blocks(seq)
+        seq.state = SequenceState.FINISHED
+        seq.sampler = None
+        seq.matcher = None
+
+    def accept(self, seq: Sequence, token_ids: Iterable[int]) -> Accepted:
+        """Append a row's tokens of this step, in order, up to the first that ends the sequence.
+
+        Raises GrammarRefused (the sequence is left for the caller to fail).
+        """
+        appended: list[int] = []
+        reason: StopReason | None = None
+        for token_id in token_ids:
+            if token_id in self.eos_token_ids:
+                reason = StopReason.EOS
+                break
+            seq.append(token_id)
+            appended.append(token_id)
+            if len(seq.output_ids) >= seq.max_tokens:
+                reason = StopReason.MAX_TOKENS
+                break
+            if seq.matcher is not None:
+                if not seq.matcher.consume_token(token_id):
+                    raise GrammarRefused(token_id)
+                if seq.matcher.is_stopped():  # the grammar admits nothing more
+                    reason = StopReason.EOS
+                    break
+        if reason is not None:
+            self.finish(seq)
+        return Accepted(appended, reason)
+
+    def scored(self, seq: Sequence, upto: int) -> None:
+        """Prompt tokens before `upto` have their log-probabilities."""
+        seq.next_scored = max(seq.next_scored, upto)
 
     @property
     def idle(self) -> bool:
@@ -134,7 +190,11 @@ class Scheduler:
             plan.prefix_hit_tokens += table.computed
             seq.state = SequenceState.RUNNING
             self.running.append(seq)
-            plan.admitted.append(seq)
+            if not seq.admitted:
+                seq.admitted, seq.admitted_at = True, time.perf_counter()
+                plan.admitted.append(seq)
+            else:
+                plan.resumed.append(seq)
             tokens = self._chunk(seq, budget)
             if tokens:
                 prompts.append(Chunk(seq, tokens))

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING
 
 from llorch.engine.kv.block_table import BlockTable
 from llorch.engine.kv.prefix import PrefixHashes
-from llorch.engine.request import Event, PreparedJob
+from llorch.engine.request import PreparedJob
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from llorch.engine.output import SequenceOutput
     from llorch.engine.sampler import SamplerState
 
 
@@ -25,8 +23,10 @@ class SequenceState(Enum):
 
 
 class Sequence:
-    def __init__(self, job: PreparedJob, emit: Callable[[Event], None], output: SequenceOutput, seed: int,
-                 arrival: int, block_size: int) -> None:
+    """A job's tokens and resources. The scheduler makes every change of its state (admission, blocks,
+    accepted tokens, scoring progress, finishing); the output stage only reads it."""
+
+    def __init__(self, job: PreparedJob, seed: int, arrival: int, block_size: int) -> None:
         self.request = job.request
         self.job_id = job.request.job_id
         self.max_tokens = job.max_tokens
@@ -34,15 +34,13 @@ class Sequence:
         self.output_ids: list[int] = []
         self.token_ids = list(job.prompt_ids)  # prompt + output: what the KV cache must come to hold
         self.arrival = arrival  # first come, first served: the order jobs were accepted in
-        self.emit = emit
-        self.output = output
         self.seed = seed
         self.sampler: SamplerState | None = None  # built at first admission, kept across preemptions
         self.grammar = job.grammar  # the compiled constraint, or None
         self.matcher: LLMatcher | None = None  # its state for this job: built with the sampler, freed at the end
         self.state = SequenceState.WAITING
         self.admitted = False  # ever admitted (a preempted job goes back to waiting admitted)
-        self.cancel_requested = False
+        self.admitted_at = 0.0  # when it was first admitted: its decode clock starts there
         self.blocks = BlockTable(block_size)  # tokens [0, blocks.computed) are in the KV cache
         self.prefix = PrefixHashes(block_size)
         self.accepted_at = time.perf_counter()

@@ -85,6 +85,7 @@ def matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(m * k // ACT_BLOCK * ACT_BLOCK_BYTES, dtype=torch.uint8)
-    (lib or library()).llorch_matmul(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), scratch.data_ptr(), m,
-                                     out.data_ptr(), torch.get_num_threads())
+    if (lib or library()).llorch_matmul(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), scratch.data_ptr(), m,
+                                        out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError(f"the C matmul could not allocate its scratch for rows of {k} values")
     return out

@@ -1,4 +1,8 @@
-"""ctypes mirrors of the C decoder step's descriptors (csrc/llorch.h): keep the two in step."""
+"""ctypes mirrors of the C decoder step's descriptors (csrc/llorch.h): keep the two in step.
+
+The library reports its own sizes and offsets (llorch_struct_layout, in C_LAYOUT_ORDER), and a
+test compares them with these, so a field added on one side only fails a test, not a step.
+"""
 
 from __future__ import annotations
 
@@ -35,3 +39,19 @@ class StepDesc(ctypes.Structure):
         ("rows", _I64), ("tokens", _P), ("positions", _P), ("write_slots", _P), ("slot_start", _P), ("slots", _P),
         ("logit_rows_count", _I64), ("logit_rows", _P), ("logits", _P),
     ]
+
+
+# The structs in the order llorch_struct_layout numbers them.
+C_LAYOUT_ORDER: tuple[type[ctypes.Structure], ...] = (Matrix, LayerDesc, ModelDesc, StepDesc)
+
+
+def layout(struct: type[ctypes.Structure]) -> list[int]:
+    """sizeof, then every field's offset, as this side lays the struct out."""
+    return [ctypes.sizeof(struct), *(getattr(struct, name).offset for name, *_ in struct._fields_)]
+
+
+def c_layout(lib: ctypes.CDLL, struct: type[ctypes.Structure]) -> list[int]:
+    """The same, as the compiled library lays it out."""
+    out = (ctypes.c_int64 * 64)()
+    count = lib.llorch_struct_layout(C_LAYOUT_ORDER.index(struct), out)
+    return list(out[:count])

@@ -10,16 +10,30 @@ offsets from one (Gemma's `1 + w`) are converted by the weights layer.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llorch.models.config import ModelConfig
-from llorch.models.native import NativeDecoder, rope_inverse_frequencies
-from llorch.models.paged import LayerKV, StepBatch
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
+from llorch.models.step_batch import LayerKV, StepBatch
 
 FEW_ROWS = 32  # up to this many rows, the vocabulary projection uses the weight-major matmul
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, factors: Tensor | None,
+                             device: torch.device | None = None) -> Tensor:
+    """theta^(-2i/head_dim), divided by the per-frequency factors when the model has them (float32)."""
+    inverse = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    return (inverse / factors if factors is not None else inverse).float().contiguous()
+
+
+class CompiledStep(Protocol):
+    """A whole forward step in one call (the C step, models/native.py): it replaces the module's own."""
+
+    def forward(self, input_ids: Tensor, batch: StepBatch, cache: list[LayerKV]) -> Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -217,11 +231,8 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.native: NativeDecoder | None = None  # the C step, once use_native_step ran
-
-    def use_native_step(self) -> None:
-        """Run every forward step as one C call (CPU, float32; see models/native.py)."""
-        self.native = NativeDecoder(self)
+        # The C step, when the loader attached one (models/native.py decides whether it can run).
+        self.native: CompiledStep | None = None
 
     def fuse_projections(self) -> None:
         """Run q/k/v and gate/up as one matmul each: fewer, larger matmuls per step (dense weights).

@@ -10,7 +10,6 @@ projections are GGUF-typed (or float32) matrices; the torch path serves everythi
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,20 +18,11 @@ from torch import Tensor, nn
 
 from llorch.kernels.build import library
 from llorch.kernels.step import LayerDesc, Matrix, ModelDesc, StepDesc
-from llorch.models.paged import LayerKV, StepBatch
+from llorch.models.decoder import Decoder, rope_inverse_frequencies
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
-
-if TYPE_CHECKING:
-    from llorch.models.decoder import Decoder
+from llorch.models.step_batch import LayerKV, StepBatch
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-
-
-def rope_inverse_frequencies(head_dim: int, theta: float, factors: Tensor | None,
-                             device: torch.device | None = None) -> Tensor:
-    """theta^(-2i/head_dim), divided by the per-frequency factors when the model has them (float32)."""
-    inverse = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    return (inverse / factors if factors is not None else inverse).float().contiguous()
 
 
 def _matrix(module: nn.Module) -> Matrix:
@@ -149,5 +139,7 @@ class NativeDecoder:
                         write_slots=arrays[1].ctypes.data, slot_start=arrays[2].ctypes.data,
                         slots=arrays[3].ctypes.data, logit_rows_count=len(layout.logit_rows),
                         logit_rows=arrays[4].ctypes.data, logits=logits.data_ptr())
-        self.lib.llorch_decoder_forward(ctypes.addressof(self.model), ctypes.addressof(step), torch.get_num_threads())
+        if self.lib.llorch_decoder_forward(ctypes.addressof(self.model), ctypes.addressof(step),
+                                           torch.get_num_threads()) != 0:
+            raise MemoryError(f"the C step could not allocate its buffers for {step.rows} rows")
         return logits

@@ -1,6 +1,6 @@
 """llorch engines as Ray Serve replicas, one device each, behind one front (the `ray` extra).
 
-    client -> Ray's HTTP proxy -> Front (parses, routes, relays) -> EngineReplica (a whole worker app)
+    client -> Ray's HTTP proxy -> Gateway (parses, routes, relays) -> EngineReplica (a whole worker app)
 
 Each replica builds its engine and HTTP app through the worker programs' own code path and answers
 relayed requests in-process, so the surface is the worker's; the front only picks the replica

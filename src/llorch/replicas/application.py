@@ -3,10 +3,10 @@
     llorch-ray-serve --backend cuda --replicas 4 --ray-address auto --model m.gguf --port 8000
     llorch-ray-serve --backend cpu --replicas 2 --replica-cpus 1 --port 8000
 
-Every flag of the backend's worker program is accepted and each replica parses them as that
-program does. --host/--port place Ray's HTTP proxy. Without --ray-address a local Ray cluster is
-started for this process and stopped with it. SIGTERM/SIGINT remove the application (Ray lets
-running requests finish for --drain-timeout) and exit.
+Every flag of the backend's worker program is accepted, checked here as that program checks
+them, and given to each replica as parsed settings (settings.py). --host/--port place Ray's HTTP
+proxy. Without --ray-address a local Ray cluster is started for this process and stopped with it.
+SIGTERM/SIGINT remove the application (Ray lets running requests finish for --drain-timeout) and exit.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llorch.device import physical_cores
 from llorch.logs import setup_logging
+from llorch.settings import ServingSettings
 from llorch.workers import build_parser, failure_line, positive_int, report_failure
 
 log = logging.getLogger("llorch.replicas")
@@ -28,7 +29,7 @@ log = logging.getLogger("llorch.replicas")
 PROGRAM = "llorch-ray-serve"
 APPLICATION = "llorch"
 ENGINE_DEPLOYMENT = "llorch-engine"
-FRONT_DEPLOYMENT = "llorch-front"
+GATEWAY_DEPLOYMENT = "llorch-gateway"
 CONTROL_HEADROOM = 16  # requests beyond the engine's own capacity a replica takes: /health, /metrics, /cancel
 ROUTER = "llorch.replicas.router:PrefixAffinityRouter"  # imported where each handle routes
 NOT_FOR_REPLICAS = ("callback_url", "worker_id")  # the ready callback is the single worker's contract
@@ -40,7 +41,7 @@ class ClusterOptions:
     replicas: int
     replica_cpus: float
     replica_gpus: float
-    worker_argv: tuple[str, ...]
+    replica: ServingSettings  # each replica's, parsed once here
     max_ongoing: int  # requests Ray sends one replica at once
     front_max_ongoing: int
     drain_timeout: float
@@ -77,11 +78,12 @@ def parse_options(argv: list[str] | None = None) -> tuple[ClusterOptions, argpar
                                                "Ray Serve replicas have no ready callback"))
     cpus = own.replica_cpus if own.replica_cpus is not None else (
         max(1, physical_cores() // own.replicas) if own.backend == "cpu" else 1)
+    replica = ServingSettings.from_args(own.backend, worker)
     if own.backend == "cpu" and worker.threads is None:
-        worker_argv = [*worker_argv, "--threads", str(max(1, int(cpus)))]
+        replica = replace(replica, threads=max(1, int(cpus)))
     options = ClusterOptions(
         backend=own.backend, replicas=own.replicas, replica_cpus=cpus,
-        replica_gpus=own.replica_gpus if own.backend == "cuda" else 0.0, worker_argv=tuple(worker_argv),
+        replica_gpus=own.replica_gpus if own.backend == "cuda" else 0.0, replica=replica,
         max_ongoing=worker.max_running + worker.max_queue + CONTROL_HEADROOM,
         front_max_ongoing=worker.max_connections, drain_timeout=worker.drain_timeout, imbalance=own.router_imbalance,
         ray_address=own.ray_address)
@@ -94,7 +96,7 @@ def build_application(options: ClusterOptions):  # -> ray.serve.Application
     from ray.serve.config import RequestRouterConfig
 
     from llorch.replicas.engine_replica import EngineReplica
-    from llorch.replicas.front import Front
+    from llorch.replicas.gateway import Gateway
 
     resources = {"num_cpus": options.replica_cpus}
     if options.replica_gpus:
@@ -105,9 +107,9 @@ def build_application(options: ClusterOptions):  # -> ray.serve.Application
         health_check_period_s=2, max_constructor_retry_count=options.replicas,
         request_router_config=RequestRouterConfig(request_router_class=ROUTER,
                                                   request_router_kwargs={"imbalance": options.imbalance}))
-    front = serve.deployment(Front, name=FRONT_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+    front = serve.deployment(Gateway, name=GATEWAY_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
                              max_ongoing_requests=options.front_max_ongoing)
-    return front.bind(engine.bind(options.backend, list(options.worker_argv)), ENGINE_DEPLOYMENT)
+    return front.bind(engine.bind(options.replica), ENGINE_DEPLOYMENT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """One Ray Serve replica: a whole llorch worker (engine and HTTP app) on the device Ray assigned.
 
-It is built through the worker programs' own path (flags, backend check, device proof, engine,
-app), so residency rules, limits and errors are the same. Ray sets CUDA_VISIBLE_DEVICES to the
-replica's GPU, so `cuda:0` here is that GPU. A replica whose backend is missing fails to start with
-the worker's one-line reason, which Ray logs and the launcher prints.
+It is built through the worker programs' own path (backend check, device proof, engine factory,
+app) from the settings the launcher parsed once, so residency rules, limits and errors are the
+same. Ray sets CUDA_VISIBLE_DEVICES to the replica's GPU, so `cuda:0` here is that GPU. A replica
+whose backend is missing fails to start with the worker's one-line reason, which Ray logs and the
+launcher prints.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from llorch.api.state import WorkerState
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
 from llorch.replicas.relay import RelayedRequest, RelayedStart, answer_in_process
-from llorch.workers import build_parser, failure_line, load_in_passing_thread, open_backend
+from llorch.settings import ServingSettings
+from llorch.workers import failure_line, load_in_passing_thread, open_backend
 
 log = logging.getLogger("llorch.replicas")
 
@@ -33,20 +35,20 @@ class ReplicaStartFailed(RuntimeError):
 
 
 class EngineReplica:
-    def __init__(self, backend_name: str, worker_argv: list[str]) -> None:
-        program = f"llorch-{backend_name}-worker"
-        args = build_parser(program, backend_name).parse_args(worker_argv)
-        setup_logging(args.log_format, args.log_level)
+    def __init__(self, settings: ServingSettings) -> None:
+        program = f"llorch-{settings.backend}-worker"
+        setup_logging(settings.log_format, settings.log_level)
         self.replica = serve.get_replica_context().replica_id.unique_id
         try:
-            backend = open_backend(backend_name, args)
+            backend = open_backend(settings)
             self.state = WorkerState(backend=backend.name, device=str(backend.device))
-            load_in_passing_thread(args, backend, self.state)
+            load_in_passing_thread(settings, backend, self.state)
         except StartupError as exc:
             message = failure_line(program, str(exc))
             log.error(message)
             raise ReplicaStartFailed(message) from None
-        self.app = RequestLimit(create_app(self.state, args.api_key, args.cors_origins), args.max_connections)
+        self.app = RequestLimit(create_app(self.state, settings.api_key, settings.origins, slots=settings.slots),
+                                settings.max_connections)
         log.info("replica ready", extra={"replica": self.replica, "model": self.state.model})
 
     async def relay(self, request: RelayedRequest) -> AsyncIterator[RelayedStart | bytes]:

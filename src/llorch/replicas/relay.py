@@ -55,11 +55,16 @@ def lenient_json(body: bytes) -> Any:
         return None
 
 
+# Routes whose body names what the model reads first: a prompt, or chat messages.
+PROMPT_ROUTES = frozenset({"/execute", "/completions", "/chat/completions", "/completion"})
+
+
 def routing_text(path: str, request: Any) -> str:
     """The start of what the model will read for this request, or "" when it reads no prompt."""
-    if path not in ("/execute", "/v1/completions", "/v1/chat/completions") or not isinstance(request, dict):
+    route = path.removeprefix("/v1")  # the OpenAI routes answer at the root too
+    if route not in PROMPT_ROUTES or not isinstance(request, dict):
         return ""
-    if path == "/v1/chat/completions":
+    if route == "/chat/completions":
         parts = [json.dumps(request.get("tools"), sort_keys=True)] if request.get("tools") else []
         for message in request.get("messages") or []:
             if isinstance(message, dict):

@@ -18,6 +18,7 @@ from llorch.kernels.blocks import file_type, row_bytes
 from llorch.memory import release_freed_memory
 from llorch.models.config import ModelConfig
 from llorch.models.decoder import Decoder
+from llorch.models.native import NativeDecoder
 from llorch.models.quantized import TYPE_SUFFIX, GGUFEmbedding, GGUFLinear, swap_quantized
 from llorch.weights import gguf_model, hf_model
 from llorch.weights.converted import ConversionCache, ConvertedMeta
@@ -112,7 +113,7 @@ def load_model(
     model = model.to(device).eval().requires_grad_(False)
     quantized = any(isinstance(m, GGUFLinear | GGUFEmbedding) for m in model.modules())
     if quantized and device.type == "cpu" and dtype == torch.float32:
-        model.use_native_step()
+        model.native = NativeDecoder(model)
     if source.cache is not None and source.fresh_meta is not None:  # only a file that loaded completely
         source.cache.write_meta(source.fresh_meta)
     log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3)})

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gguf
 
+from llorch.errors import StartupError
 from llorch.models.config import ModelConfig
 from llorch.weights.converted import file_sha256
 from llorch.weights.gguf import GGUFFile
@@ -65,3 +66,12 @@ def read_model_facts(path: Path, config: ModelConfig) -> ModelFacts:
     except ValueError:
         level = ""
     return ModelFacts("gguf", path.stat().st_size, file_sha256(path), modified, level or "unknown", count)
+
+
+def facts_or_unknown(path: Path | None, config: ModelConfig, weight_bytes: int) -> ModelFacts:
+    """The file's facts, or what the config alone says when the file cannot be read (or there is none)."""
+    try:
+        facts = read_model_facts(path, config) if path else None
+    except (OSError, ValueError, StartupError):
+        facts = None
+    return facts or unknown_facts(config, weight_bytes)

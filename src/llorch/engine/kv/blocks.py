@@ -18,7 +18,7 @@ from collections.abc import Iterable
 NULL_BLOCK = 0
 
 
-class BlockPool:
+class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError("the KV pool needs at least two blocks (one is the padding block)")

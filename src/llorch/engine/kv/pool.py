@@ -12,7 +12,7 @@ import torch
 from llorch.device import assert_resident, tensor_bytes
 from llorch.engine.kv.blocks import NULL_BLOCK
 from llorch.models.config import ModelConfig
-from llorch.models.paged import LayerKV
+from llorch.models.step_batch import LayerKV
 
 BLOCK_SIZE = 16  # tokens per KV block: the unit of allocation and of prefix sharing
 

@@ -120,28 +120,44 @@ static void attend_chunk(const float *q_row, const layer_desc *L, int64_t g, int
 }
 
 /* -- the step ------------------------------------------------------------------------------------ */
-void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads) {
+int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads) {
     const int64_t R = S->rows, H = M->hidden, HD = M->head_dim, NQ = M->heads * HD, NKV = M->kv_heads * HD;
     const int64_t I = M->intermediate, group = M->heads / M->kv_heads, widest = max64(max64(H, NQ), I);
     int64_t max_position = 0;
     for (int64_t r = 0; r < R; r++) max_position = max64(max_position, S->positions[r]);
     const int64_t max_chunks = max_position / ATTN_CHUNK + 1, part_size = group * (HD + 2);
     const int64_t items = R * M->kv_heads * max_chunks;
+    const int teams = threads > 1 ? threads : 1;
 
-    float *x = malloc(sizeof(float) * (size_t)(R * H)), *h = malloc(sizeof(float) * (size_t)(R * widest));
-    float *q = malloc(sizeof(float) * (size_t)(R * NQ)), *k = malloc(sizeof(float) * (size_t)(R * NKV));
-    float *v = malloc(sizeof(float) * (size_t)(R * NKV)), *attn = malloc(sizeof(float) * (size_t)(R * NQ));
-    float *o = malloc(sizeof(float) * (size_t)(R * H));
-    float *gate = malloc(sizeof(float) * (size_t)(R * I)), *up = malloc(sizeof(float) * (size_t)(R * I));
-    float *parts = malloc(sizeof(float) * (size_t)(items * part_size));
-    act_block *xq = malloc(sizeof(act_block) * (size_t)(R * widest / QK));
-    float *rope_tables = malloc(sizeof(float) * (size_t)(4 * R * HD));
+    /* Every buffer up front, each checked: a failure fails this step, never the process. */
+    float *x = llorch_alloc(sizeof(float) * (size_t)(R * H)), *h = llorch_alloc(sizeof(float) * (size_t)(R * widest));
+    float *q = llorch_alloc(sizeof(float) * (size_t)(R * NQ)), *k = llorch_alloc(sizeof(float) * (size_t)(R * NKV));
+    float *v = llorch_alloc(sizeof(float) * (size_t)(R * NKV));
+    float *attn = llorch_alloc(sizeof(float) * (size_t)(R * NQ)), *o = llorch_alloc(sizeof(float) * (size_t)(R * H));
+    float *gate = llorch_alloc(sizeof(float) * (size_t)(R * I)), *up = llorch_alloc(sizeof(float) * (size_t)(R * I));
+    float *parts = llorch_alloc(sizeof(float) * (size_t)(items * part_size));
+    act_block *xq = llorch_alloc(sizeof(act_block) * (size_t)(R * widest / QK));
+    float *rope_tables = llorch_alloc(sizeof(float) * (size_t)(4 * R * HD));
+    float *all_scores = llorch_alloc(sizeof(float) * (size_t)(teams * group * ATTN_CHUNK));
+    void *buffers[] = {x, h, q, k, v, attn, o, gate, up, parts, xq, rope_tables, all_scores};
+    const int count = (int)(sizeof(buffers) / sizeof(buffers[0]));
+    int missing = 0;
+    for (int i = 0; i < count; i++) missing |= buffers[i] == NULL;
+    if (missing) {
+        for (int i = 0; i < count; i++) free(buffers[i]);
+        llorch_take_allocation_failure();
+        return -1;
+    }
 
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * ATTN_CHUNK));
+#ifdef _OPENMP
+        float *scores = all_scores + (int64_t)omp_get_thread_num() * group * ATTN_CHUNK;
+#else
+        float *scores = all_scores;
+#endif
 
         /* the RoPE angles of every row, per variant: cos and sin tables [variant][row][head_dim] */
 #ifdef _OPENMP
@@ -299,20 +315,9 @@ void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads
 #endif
             for (int64_t i = 0; i < wanted * M->vocab; i++) S->logits[i] = v_tanh(S->logits[i] / cap) * cap;
         }
-        free(scores);
     }
-    free(x);
-    free(h);
-    free(q);
-    free(k);
-    free(v);
-    free(attn);
-    free(o);
-    free(gate);
-    free(up);
-    free(parts);
-    free(xq);
-    free(rope_tables);
+    for (int i = 0; i < count; i++) free(buffers[i]);
+    return llorch_take_allocation_failure() ? -1 : 0;  /* a thread's scratch could not grow */
 }
 
 void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {

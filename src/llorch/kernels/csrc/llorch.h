@@ -135,7 +135,16 @@ typedef struct {
     float *logits; /* [logit_rows_count, vocab] */
 } step_desc;
 
-void llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads);
+/* Returns 0, or -1 when a buffer could not be allocated (the logits are then void). */
+int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads);
+
+/* Checked allocation (alloc.c): 64-byte aligned, NULL on failure, which is remembered until taken. */
+void *llorch_alloc(size_t bytes);
+int llorch_take_allocation_failure(void);
+/* Tests: the next `count` allocations fail. */
+void llorch_fail_allocations(int count);
+/* sizeof and every field's offsetof of struct `which` (0 matrix, 1 layer_desc, 2 model_desc, 3 step_desc). */
+int64_t llorch_struct_layout(int which, int64_t *out);
 
 /* The index of each row's largest value (the first one, as torch.argmax); -1 for a row with a NaN. */
 void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
@@ -179,8 +188,8 @@ void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out);
 /* out[i * n + j] = x[i] . w[j] for the m activation rows (as floats, and quantized into xq
  * for block types: m * k / 32 act_blocks the caller provides) against the n weight rows
  * of a GGUF-typed matrix, on `threads` threads. */
-void llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, act_block *xq,
-                   int64_t m, float *out, int threads);
+int llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, act_block *xq,
+                  int64_t m, float *out, int threads);
 
 /* Inside a parallel region the caller opened (every thread calls them; worksharing loops). */
 void llorch_quantize_rows_ws(const float *x, int64_t m, int64_t k, act_block *out);

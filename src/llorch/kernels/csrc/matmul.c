@@ -22,13 +22,22 @@ static __thread uint8_t *scratch_v;
 static __thread float *scratch_sm;
 static __thread int64_t scratch_k;
 
+/* Its `v` is NULL when it could not grow: the caller skips the work and the step fails (alloc.c). */
 static unpacked_row scratch_row(int64_t k) {
     if (k > scratch_k) {
         free(scratch_v);
         free(scratch_sm);
-        scratch_v = aligned_alloc(64, (size_t)((k + 63) / 64 * 64));
-        scratch_sm = malloc(sizeof(float) * (size_t)(k / QK * 4));
-        scratch_k = k;
+        scratch_v = llorch_alloc((size_t)k);
+        scratch_sm = llorch_alloc(sizeof(float) * (size_t)(k / QK * 4));
+        scratch_k = scratch_v && scratch_sm ? k : 0;
+        if (!scratch_k) {
+            free(scratch_v);
+            free(scratch_sm);
+            scratch_v = NULL;
+            scratch_sm = NULL;
+            const unpacked_row none = {NULL, NULL, NULL};
+            return none;
+        }
     }
     const unpacked_row u = {scratch_v, scratch_sm, scratch_sm + k / QK * 2};
     return u;
@@ -114,6 +123,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
         const int interleaved = W->type > REPACKED, direct = llorch_has_direct(W->type);
         float *out = outs[which];
         unpacked_row u = scratch_row(is_float || direct ? QK : k);
+        if (u.v == NULL) continue;
         for (int64_t i0 = 0; i0 < m; i0 += ACT_TILE) {
             const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
             if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
@@ -156,8 +166,8 @@ void llorch_quantize_rows_ws(const float *x, int64_t m, int64_t k, act_block *ou
 
 /* A whole product on its own: quantizes x when the weights are a block type (into `xq`,
  * m * k / 32 blocks, provided by the caller), with `threads` threads. */
-void llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, act_block *xq,
-                   int64_t m, float *out, int threads) {
+int llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, act_block *xq,
+                  int64_t m, float *out, int threads) {
     const matrix W = {type, 0, w, n, k};
     (void)threads;
 #ifdef _OPENMP
@@ -167,4 +177,5 @@ void llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float
         if (!is_float_type(type)) llorch_quantize_rows_ws(x, m, k, xq);
         llorch_matmul_group_ws(&W, 1, x, xq, m, &out);
     }
+    return llorch_take_allocation_failure() ? -1 : 0;
 }

@@ -34,8 +34,9 @@ class LayerKV:
 
 
 @dataclass(frozen=True)
-class SegmentSpec:
-    """One sequence's part of a step: `length` new tokens after `start` cached ones."""
+class ChunkSlots:
+    """A chunk (one sequence's share of a step) as attention places it: `length` new tokens after `start`
+    cached ones."""
 
     start: int
     length: int
@@ -76,15 +77,15 @@ class RowLayout:
 
     positions: np.ndarray  # [N] absolute position of every new token
     write_slots: np.ndarray  # [N] where every new token's key and value are written
-    slots: np.ndarray  # every segment's slots for its positions 0 .. end - 1, concatenated
-    slot_start: np.ndarray  # [N] where each row's segment starts in `slots`
+    slots: np.ndarray  # every chunk's slots for its positions 0 .. end - 1, concatenated
+    slot_start: np.ndarray  # [N] where each row's chunk starts in `slots`
     logit_rows: np.ndarray  # rows whose logits are wanted
 
 
 @dataclass
 class StepBatch:
     layout: RowLayout
-    specs: list[SegmentSpec]
+    specs: list[ChunkSlots]
     config: ModelConfig
     device: torch.device
     pad_slot: int
@@ -131,7 +132,7 @@ class StepBatch:
         return self._rope[key]
 
 
-def build_step(specs: list[SegmentSpec], config: ModelConfig, device: torch.device,
+def build_step(specs: list[ChunkSlots], config: ModelConfig, device: torch.device,
                logit_rows: list[int] | None = None, pad_slot: int = 0) -> StepBatch:
     """The layout of one step (host arrays; device tensors are made when a path asks for them)."""
     positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in specs])
@@ -145,7 +146,7 @@ def build_step(specs: list[SegmentSpec], config: ModelConfig, device: torch.devi
     return StepBatch(layout, specs, config, device, pad_slot, all_logits=logit_rows is None)
 
 
-def _attention_groups(specs: list[SegmentSpec], config: ModelConfig, device: torch.device,
+def _attention_groups(specs: list[ChunkSlots], config: ModelConfig, device: torch.device,
                       pad_slot: int) -> list[AttentionGroup]:
     window = config.sliding_window if any(config.sliding_layers) else None
     groups: list[AttentionGroup] = []
@@ -166,10 +167,10 @@ def _attention_groups(specs: list[SegmentSpec], config: ModelConfig, device: tor
     return groups
 
 
-def _key_view(members: list[SegmentSpec], window: int | None, device: torch.device, pad_slot: int) -> KeyView:
+def _key_view(members: list[ChunkSlots], window: int | None, device: torch.device, pad_slot: int) -> KeyView:
     q_len = members[0].length
     ends = [s.start + s.length for s in members]
-    # Sliding layers read only the keys some query of the segment can still see.
+    # Sliding layers read only the keys some query of the chunk can still see.
     firsts = [max(0, s.start - window + 1) if window is not None else 0 for s in members]
     width = max(end - first for first, end in zip(firsts, ends, strict=True))
     slots = np.full((len(members), width), pad_slot, dtype=np.int64)
@@ -192,5 +193,5 @@ def _key_view(members: list[SegmentSpec], window: int | None, device: torch.devi
 def contiguous_step(config: ModelConfig, start: int, length: int, device: torch.device,
                     last_only: bool = True) -> StepBatch:
     """A step for one sequence whose position p lives in slot p (a cache of its own)."""
-    spec = SegmentSpec(start, length, np.arange(start + length, dtype=np.int64))
+    spec = ChunkSlots(start, length, np.arange(start + length, dtype=np.int64))
     return build_step([spec], config, device, logit_rows=[length - 1] if last_only else None)

@@ -41,7 +41,7 @@ class ReplicaGone(Exception):
     """The replica died or became unreachable before it answered."""
 
 
-class Front:
+class Gateway:
     def __init__(self, engines: DeploymentHandle, engine_deployment: str) -> None:
         self.engines = engines
         self.engine_deployment = engine_deployment

@@ -1,0 +1,245 @@
+"""The engine core: synchronous, no threads and no callbacks. `add`, `finish`, `step() -> StepOutput`.
+
+Each step is one forward pass over every running sequence: the decoding ones add
+their last token, those still reading their prompt add a chunk of it (continuous
+batching). The scheduler decides who runs and which KV blocks they use, the runner
+computes the logits, the sampler picks every row's token at once, and the scheduler
+accepts them. What the step produced for each job comes back as plain data; turning
+it into text and events is the output stage's work, and the shell's thread calls
+both in turn.
+
+A failure is kept to the job it belongs to: when the batched forward fails, each
+job is run alone so only the failing one ends (rewriting the same KV slots with the
+same values is harmless), and when batched sampling fails, each row is sampled alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from llorch.engine.grammar import KIND_NAMES, engine_message, explained
+from llorch.engine.masks import GrammarMasks, PendingMasks
+from llorch.engine.request import ErrorCode, StopReason
+from llorch.engine.runner import ChunkInput, ModelRunner
+from llorch.engine.sampler import Sampled, SamplerState, sample_batch
+from llorch.engine.scheduler import Chunk, GrammarRefused, Scheduler
+from llorch.engine.scoring import score_rows
+from llorch.engine.sequence import Sequence, SequenceState
+from llorch.engine.telemetry import Telemetry
+
+log = logging.getLogger("llorch.engine")
+
+Scores = list[tuple[float, tuple[tuple[int, float], ...]]]
+
+
+@dataclass
+class RowOutput:
+    """One sampling row of a step: what was drawn, what the scheduler appended, and whether that ended it."""
+
+    seq: Sequence
+    sampled: list[Sampled]
+    accepted: list[int]
+    reason: StopReason | None
+
+
+@dataclass
+class StepOutput:
+    """What one step did to each job, in the order its events must go out: scores, tokens, ends."""
+
+    admitted: list[Sequence] = field(default_factory=list)  # running for the first time
+    scores: list[tuple[Sequence, int, Scores]] = field(default_factory=list)  # (job, first prompt position, scores)
+    rows: list[RowOutput] = field(default_factory=list)
+    finished: list[tuple[Sequence, StopReason]] = field(default_factory=list)  # ended without a row (max_tokens=0)
+    failed: list[tuple[Sequence, ErrorCode, str]] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, telemetry: Telemetry) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.telemetry = telemetry
+        self.masks = GrammarMasks(runner.config.vocab_size)
+        blocks, t = scheduler.blocks, telemetry
+        t.queue_depth.set_function(lambda: len(scheduler.waiting))
+        t.running.set_function(lambda: len(scheduler.running))
+        t.kv_cache_bytes.set_function(lambda: blocks.used_blocks * runner.kv.block_bytes)
+        t.kv_cache_capacity_bytes.set_function(lambda: runner.kv.bytes)
+        t.kv_cached_blocks.set_function(lambda: blocks.cached_blocks)
+        t.weights_bytes.set_function(lambda: runner.weight_bytes)
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence the core holds: running, then waiting."""
+        return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """End a sequence now (cancelled, timed out, a stop string, a failure): its blocks are free."""
+        self.scheduler.finish(seq)
+
+    def step(self) -> StepOutput:
+        """schedule -> forward -> score prompts -> sample -> accept."""
+        out = StepOutput()
+        plan = self.scheduler.schedule()
+        for seq in plan.admitted:
+            self._admitted(seq, out)
+        for seq in plan.resumed:
+            log.info("job resumed", extra={"job_id": seq.job_id, "tokens": seq.length})
+        for seq in plan.preempted:
+            self.telemetry.preemptions.inc()
+            log.info("job preempted: KV pool full", extra={"job_id": seq.job_id, "tokens": seq.length})
+        self.telemetry.prefix_cache_hit_tokens.inc(plan.prefix_hit_tokens)
+        if not plan.chunks:
+            return out
+        self.telemetry.batch_size.observe(len(plan.chunks))
+        started = time.perf_counter()
+        # Constrained rows' masks are computed on another thread while the forward pass runs.
+        masks = self.masks.begin([c.seq for c in plan.chunks if c.completes])
+        sampling, logits = self._run(plan.chunks, out)
+        if sampling:
+            self._sample(sampling, logits, masks, out)
+        if all(chunk.tokens == 1 for chunk in plan.chunks):
+            self.telemetry.time_per_output_token.observe(time.perf_counter() - started)
+        return out
+
+    def _admitted(self, seq: Sequence, out: StepOutput) -> None:
+        """The first admission builds the job's sampler and grammar state (kept across preemptions)."""
+        seq.sampler = SamplerState(seq.request.sampling, seq.seed, seq.prompt_ids, self.runner.config.vocab_size,
+                                   self.runner.device, tuple(self.scheduler.eos_token_ids))
+        if seq.grammar is not None:
+            seq.matcher = seq.grammar.matcher()
+        out.admitted.append(seq)
+
+    def _run(self, chunks: list[Chunk], out: StepOutput) -> tuple[list[Sequence], Tensor]:
+        """One forward over the step's chunks: the sequences that sample now, and their logits rows."""
+        try:
+            return self._forward(chunks, out)
+        except Exception as exc:
+            if len(chunks) == 1:
+                self._fail_forward(chunks[0], exc, out)
+                return [], torch.empty(0)
+        sampling: list[Sequence] = []
+        rows: list[Tensor] = []
+        for chunk in chunks:
+            try:
+                seqs, logits = self._forward([chunk], out)
+            except Exception as exc:
+                self._fail_forward(chunk, exc, out)
+                continue
+            sampling.extend(seqs)
+            rows.append(logits)
+        return sampling, torch.cat(rows) if rows else torch.empty(0)
+
+    def _forward(self, chunks: list[Chunk], out: StepOutput) -> tuple[list[Sequence], Tensor]:
+        """Run the chunks; score the prompt rows that were asked for; finish jobs that only read their prompt."""
+        inputs, scored, sample_rows, row = [], [], [], 0
+        sampling: list[Sequence] = []
+        read_only = [c.seq for c in chunks if c.completes and c.seq.max_tokens == 0]
+        for c in chunks:
+            seq, start = c.seq, c.seq.blocks.computed
+            rows = seq.scored_rows(start, c.tokens)
+            samples = c.completes and seq.max_tokens > 0
+            inputs.append(ChunkInput(seq.token_ids[start : start + c.tokens], start, seq.blocks.blocks, samples,
+                                    range(rows.start - start, rows.stop - start)))
+            if rows:
+                scored.append((seq, rows, row))
+                row += len(rows)
+            if samples:
+                sampling.append(seq)
+                sample_rows.append(row)
+                row += 1
+        logits = self.runner.forward(inputs)
+        for chunk in chunks:
+            self.scheduler.computed(chunk)
+        for seq, rows, first in scored:
+            self._score(seq, rows, logits[first : first + len(rows)], out)
+        for seq in read_only:  # max_tokens=0: the prompt is read (and scored); nothing is generated
+            if seq.state is not SequenceState.FINISHED:
+                self.scheduler.finish(seq)
+                out.finished.append((seq, StopReason.MAX_TOKENS))
+        if len(sample_rows) != row:  # keep only the sampling rows
+            logits = logits[sample_rows]
+        live = [i for i, seq in enumerate(sampling) if seq.state is not SequenceState.FINISHED]
+        if len(live) != len(sampling):
+            sampling, logits = [sampling[i] for i in live], logits[live]
+        return sampling, logits
+
+    def _score(self, seq: Sequence, rows: range, logits: Tensor, out: StepOutput) -> None:
+        """The log-probabilities of prompt tokens rows.start + 1 .. rows.stop (row r scores token r + 1)."""
+        try:
+            targets = seq.prompt_ids[rows.start + 1 : rows.stop + 1]
+            scores = score_rows(logits, targets, seq.request.prompt_logprobs or 0)
+        except Exception as exc:  # one job's failure must not take down the others
+            log.exception("prompt scoring failed", extra={"job_id": seq.job_id})
+            self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
+            return
+        self.scheduler.scored(seq, rows.start + 1 + len(scores))
+        out.scores.append((seq, rows.start + 1, scores))
+
+    def _sample(self, sampling: list[Sequence], logits: Tensor, masks: PendingMasks, out: StepOutput) -> None:
+        """Every sampling row's token in one go, then the scheduler accepts each."""
+        try:
+            with torch.inference_mode():  # the logits are inference tensors; masks write them in place
+                masks.apply(sampling, logits)
+        except Exception as exc:  # only the constrained rows lose: sampled unmasked they would break their grammar
+            log.exception("grammar masks failed")
+            keep = [i for i, seq in enumerate(sampling) if seq.matcher is None]
+            for seq in sampling:
+                if seq.matcher is not None:
+                    self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
+            if not keep:
+                return
+            sampling, logits = [sampling[i] for i in keep], logits[keep]
+        states = [seq.sampler for seq in sampling]
+        assert all(state is not None for state in states)
+        try:
+            tokens = sample_batch(logits, states, [seq.request.logprobs for seq in sampling])  # type: ignore[arg-type]
+        except Exception:  # find the row that fails, so only its job ends
+            tokens = [self._sample_alone(seq, logits[i : i + 1], out) for i, seq in enumerate(sampling)]
+        for seq, sampled in zip(sampling, tokens, strict=True):
+            if sampled is None:
+                continue
+            try:
+                accepted = self.scheduler.accept(seq, [sampled.token_id])
+            except GrammarRefused as exc:
+                self._fail(seq, ErrorCode.INFERENCE_FAILED, self._refusal(seq, exc), out)
+                continue
+            if accepted.reason is None:
+                for token_id in accepted.tokens:
+                    seq.sampler.accept(token_id)  # type: ignore[union-attr]
+            out.rows.append(RowOutput(seq, [sampled], accepted.tokens, accepted.reason))
+
+    @staticmethod
+    def _refusal(seq: Sequence, exc: GrammarRefused) -> str:
+        kind = KIND_NAMES[seq.grammar.constraint.kind]
+        detail = engine_message(seq.matcher.get_error()) if seq.matcher is not None else ""
+        return f"RuntimeError: the {kind} refused token {exc.args[0]}: {explained(kind, detail)}"
+
+    def _sample_alone(self, seq: Sequence, logits: Tensor, out: StepOutput) -> Sampled | None:
+        try:
+            return sample_batch(logits, [seq.sampler], [seq.request.logprobs])[0]  # type: ignore[list-item]
+        except Exception as exc:
+            log.exception("sampling failed", extra={"job_id": seq.job_id})
+            self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
+            return None
+
+    def _fail_forward(self, chunk: Chunk, exc: Exception, out: StepOutput) -> None:
+        if isinstance(exc, torch.OutOfMemoryError):
+            self._fail(chunk.seq, ErrorCode.VRAM_OOM, f"out of memory: {exc}", out)
+            return
+        log.error("step failed", exc_info=exc, extra={"job_id": chunk.seq.job_id})
+        self._fail(chunk.seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
+
+    def _fail(self, seq: Sequence, code: ErrorCode, message: str, out: StepOutput) -> None:
+        self.scheduler.finish(seq)
+        out.failed.append((seq, code, message))
