@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from conftest import Worker
-from llorch.api.ollama import Reply
+from llorch.api.ollama_answer import Reply
 from llorch.api.reasoning import ReasoningParser
 from llorch.api.tool_calls import HERMES, ToolCallParser
 from llorch.api.turn import Turn

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from conftest import Worker
 from llorch.api.reasoning import ReasoningParser
 from llorch.api.response_store import ResponseStore
-from llorch.api.responses import OutputBuilder
+from llorch.api.responses_output import OutputBuilder
 from llorch.api.turn import Turn
 from llorch.engine.request import End, StopReason, TokenText
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llorch"
-LINE_LIMITS = {"engine": 300}
+LINE_LIMITS = {"engine": 300, "api": 350}
 # What api/ and replicas/ must not reach through an engine: its parts rather than its face.
 ENGINE_PARTS = re.compile(r"engine\.(runner|scheduler|core|output|blocks|grammars)\b|\.front\.tokenizer\b")
 

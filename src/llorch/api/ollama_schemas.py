@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llorch.api.openai_schemas import MAX_TOOLS, MAX_TOP_LOGPROBS, FunctionDefinition, FunctionName
+from llorch.api.openai_fields import MAX_TOP_LOGPROBS, FunctionName
+from llorch.api.openai_tools import MAX_TOOLS, FunctionDefinition
 from llorch.api.schemas import (
     MAX_ID_CHARS,
     MAX_PROMPT_CHARS,

@@ -29,7 +29,9 @@ from llorch.api.body import openapi_json_body
 from llorch.api.errors import OPENAI_ERROR_SCHEMA, LlamaServerError, OpenAIError, error_responses, openai_refusal
 from llorch.api.llama_server_schemas import LLAMA_TOKENIZE_FIELDS, LlamaTokenizeRequest
 from llorch.api.openai import parse_body, read_body_json, ready, validate_body
-from llorch.api.openai_schemas import MAX_TOOLS, ChatMessage, Strict, TokenId, Tool
+from llorch.api.openai_fields import Strict, TokenId
+from llorch.api.openai_messages import ChatMessage
+from llorch.api.openai_tools import MAX_TOOLS, Tool
 from llorch.api.schemas import MAX_PROMPT_CHARS
 from llorch.api.state import WorkerState
 from llorch.api.violations import one_message
