@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from conftest import Worker, assert_one_line_failure, run_worker_to_exit, start_worker, stop_worker
-from llorch.api.schemas import MAX_PROMPT_CHARS
+from llorch.api.fields import MAX_PROMPT_CHARS
 from tiny_model import write_tiny_gemma3
 
 pytestmark = pytest.mark.cpu

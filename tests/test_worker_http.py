@@ -371,7 +371,7 @@ def test_ids_and_names_are_length_bounded(worker: Worker) -> None:
 
 
 def test_openai_prompts_are_bounded_before_tokenizing(worker: Worker) -> None:
-    from llorch.api.schemas import MAX_PROMPT_CHARS
+    from llorch.api.fields import MAX_PROMPT_CHARS
 
     text = "word " * (MAX_PROMPT_CHARS // 5 + 1)
     with worker.client() as client:

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from llorch.api.fields import MAX_ID_CHARS, MAX_PROMPT_CHARS
 from llorch.api.openai_fields import FunctionName
-from llorch.api.schemas import MAX_ID_CHARS, MAX_PROMPT_CHARS
 
 IdText = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 # Block types Anthropic has that this worker cannot read: answered with a 400 naming them.

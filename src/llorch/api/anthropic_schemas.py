@@ -18,9 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llorch.api.anthropic_content import Message, Strict, TextBlock, ToolResultBlock, ToolUseBlock, checked_text, joined
+from llorch.api.fields import MAX_ID_CHARS, StopString, TopK, TopP
 from llorch.api.openai_fields import FunctionName
 from llorch.api.openai_tools import MAX_TOOLS
-from llorch.api.schemas import MAX_ID_CHARS, StopString, TopK, TopP
 from llorch.engine.request import Constraint, SamplingParams
 
 MAX_STOP_SEQUENCES = 4  # as on the other APIs

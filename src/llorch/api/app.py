@@ -42,10 +42,10 @@ from llorch.api.ollama import create_ollama_router
 from llorch.api.openai import create_openai_router
 from llorch.api.page import create_page_router
 from llorch.api.responses import create_responses_router
-from llorch.api.schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.api.state import WorkerState
 from llorch.api.streaming import NDJSON, SSE, frame, negotiate
 from llorch.api.tokenizer_routes import create_tokenizer_router
+from llorch.api.worker_schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.engine.errors import EngineRefusal
 from llorch.logs import correlation_id
 

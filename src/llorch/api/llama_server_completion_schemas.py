@@ -17,9 +17,9 @@ from typing import Annotated, Any
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llorch.api.fields import UINT64_MAX, MinP, RepetitionPenalty, StopString, TopP, stop_tuple
 from llorch.api.llama_server_schemas import one_prompt
 from llorch.api.openai_fields import MAX_TOP_LOGPROBS, without_nulls
-from llorch.api.schemas import UINT64_MAX, MinP, RepetitionPenalty, StopString, TopP, stop_tuple
 from llorch.engine.errors import RequestRejected
 from llorch.engine.request import IGNORE_EOS, Constraint, SamplingParams
 

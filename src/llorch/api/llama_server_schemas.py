@@ -11,11 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llorch.api.fields import MAX_PROMPT_CHARS
 from llorch.api.openai_fields import without_nulls
 from llorch.api.openai_messages import ChatMessage
 from llorch.api.openai_schemas import RESERVED_TEMPLATE_VARIABLES
 from llorch.api.openai_tools import MAX_TOOLS, Tool
-from llorch.api.schemas import MAX_PROMPT_CHARS
 from llorch.engine.request import ChatOptions
 
 

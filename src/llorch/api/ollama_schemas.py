@@ -13,9 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llorch.api.openai_fields import MAX_TOP_LOGPROBS, FunctionName
-from llorch.api.openai_tools import MAX_TOOLS, FunctionDefinition
-from llorch.api.schemas import (
+from llorch.api.fields import (
     MAX_ID_CHARS,
     MAX_PROMPT_CHARS,
     UINT64_MAX,
@@ -28,6 +26,8 @@ from llorch.api.schemas import (
     sampling_params,
     stop_tuple,
 )
+from llorch.api.openai_fields import MAX_TOP_LOGPROBS, FunctionName
+from llorch.api.openai_tools import MAX_TOOLS, FunctionDefinition
 from llorch.engine.request import Constraint, SamplingParams
 
 # Ollama's documented defaults for a model whose Modelfile sets none.

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from llorch.api.fields import MAX_ID_CHARS, MAX_PROMPT_CHARS
 from llorch.api.openai_fields import FunctionName, Strict, without_nulls
-from llorch.api.schemas import MAX_ID_CHARS, MAX_PROMPT_CHARS
 
 
 class TextPart(Strict):

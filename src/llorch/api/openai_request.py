@@ -12,9 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llorch.api.openai_fields import Strict, without_nulls
-from llorch.api.openai_response_format import ResponseFormat
-from llorch.api.schemas import (
+from llorch.api.fields import (
     MAX_ID_CHARS,
     UINT64_MAX,
     MinP,
@@ -27,6 +25,8 @@ from llorch.api.schemas import (
     sampling_params,
     stop_tuple,
 )
+from llorch.api.openai_fields import Strict, without_nulls
+from llorch.api.openai_response_format import ResponseFormat
 from llorch.engine.request import IGNORE_EOS, Constraint, SamplingParams
 
 MAX_CHOICES = 8

@@ -19,11 +19,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from llorch.api.fields import MAX_PROMPT_CHARS
 from llorch.api.openai_fields import MAX_TOP_LOGPROBS, TokenId
 from llorch.api.openai_messages import ChatMessage
 from llorch.api.openai_request import OpenAIRequest
 from llorch.api.openai_tools import MAX_TOOLS, FunctionDefinition, NamedFunction, NamedToolChoice, Tool
-from llorch.api.schemas import MAX_PROMPT_CHARS
 from llorch.engine.request import ChatOptions
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request (each with its n choices)

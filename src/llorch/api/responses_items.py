@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator
 
+from llorch.api.fields import MAX_ID_CHARS, MAX_PROMPT_CHARS
 from llorch.api.openai_fields import FunctionName, Strict
-from llorch.api.schemas import MAX_ID_CHARS, MAX_PROMPT_CHARS
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 TEXT_PARTS = ("input_text", "output_text", "refusal")

@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llorch.api.fields import MAX_ID_CHARS, MAX_PROMPT_CHARS, UINT64_MAX, MinP, RepetitionPenalty, TopK
 from llorch.api.openai_fields import FunctionName, Strict
 from llorch.api.openai_tools import MAX_TOOLS
 from llorch.api.responses_items import INPUT_ITEMS, ITEM_TYPES, InputItem, MessageItem, _item_type, item_error
-from llorch.api.schemas import MAX_ID_CHARS, MAX_PROMPT_CHARS, UINT64_MAX, MinP, RepetitionPenalty, TopK
 from llorch.engine.request import Constraint, SamplingParams
 
 MAX_METADATA_KEYS = 16

@@ -27,12 +27,12 @@ from starlette.concurrency import run_in_threadpool
 
 from llorch.api.body import openapi_json_body
 from llorch.api.errors import OPENAI_ERROR_SCHEMA, LlamaServerError, OpenAIError, error_responses, openai_refusal
+from llorch.api.fields import MAX_PROMPT_CHARS
 from llorch.api.llama_server_schemas import LLAMA_TOKENIZE_FIELDS, LlamaTokenizeRequest
 from llorch.api.openai import parse_body, read_body_json, ready, validate_body
 from llorch.api.openai_fields import Strict, TokenId
 from llorch.api.openai_messages import ChatMessage
 from llorch.api.openai_tools import MAX_TOOLS, Tool
-from llorch.api.schemas import MAX_PROMPT_CHARS
 from llorch.api.state import WorkerState
 from llorch.api.violations import one_message
 from llorch.engine.engine import Engine
