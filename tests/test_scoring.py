@@ -114,7 +114,11 @@ def test_echo_returns_the_prompt_scored_then_the_completion(client: openai.OpenA
     # A prompt's scores do not depend on generating: max_tokens=0 gives the same prompt entries.
     scored = client.completions.create(model=model_id, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
     assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
-    assert scored.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[: len(ids)]
+    # Equal to float rounding: in the shared worker, jobs other tests left in flight can share these steps, and
+    # the scores were seen to differ in the last digits then (4e-5 at most; in-process they are bit-identical).
+    alone, generating = scored.choices[0].logprobs.token_logprobs, logprobs.token_logprobs[: len(ids)]
+    assert alone[0] is None and generating[0] is None
+    assert alone[1:] == pytest.approx(generating[1:], abs=1e-4)
     assert scored.usage.completion_tokens == 0
 
 
