@@ -103,7 +103,7 @@ class OutputProcessor:
     def decoding(self, seq: Sequence) -> None:
         """The job was admitted for the first time: its decode clock starts then (before that step ran)."""
         out = self._job(seq)
-        out.decode_started = out.last_metrics = seq.admitted_at or time.perf_counter()
+        out.decode_started = out.last_metrics = seq.admitted_at
 
     def prompt_scored(self, seq: Sequence, start: int, scores: list[tuple[float, tuple[tuple[int, float], ...]]]
                       ) -> None:

@@ -191,7 +191,7 @@ class Scheduler:
             seq.state = SequenceState.RUNNING
             self.running.append(seq)
             if not seq.admitted:
-                seq.admitted, seq.admitted_at = True, time.perf_counter()
+                seq.admitted_at = time.perf_counter()
                 plan.admitted.append(seq)
             else:
                 plan.resumed.append(seq)

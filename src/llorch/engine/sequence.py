@@ -39,14 +39,18 @@ class Sequence:
         self.grammar = job.grammar  # the compiled constraint, or None
         self.matcher: LLMatcher | None = None  # its state for this job: built with the sampler, freed at the end
         self.state = SequenceState.WAITING
-        self.admitted = False  # ever admitted (a preempted job goes back to waiting admitted)
-        self.admitted_at = 0.0  # when it was first admitted: its decode clock starts there
+        self.admitted_at = 0.0  # when it was first admitted (0: never); its decode clock starts there
         self.blocks = BlockTable(block_size)  # tokens [0, blocks.computed) are in the KV cache
         self.prefix = PrefixHashes(block_size)
         self.accepted_at = time.perf_counter()
         # Prompt scoring (request.prompt_logprobs): the next prompt position whose log-probability is owed.
         # Position 0 has none; scoring is done when this reaches the prompt's length.
         self.next_scored = 1 if job.request.prompt_logprobs is not None else len(job.prompt_ids)
+
+    @property
+    def admitted(self) -> bool:
+        """Ever admitted (a preempted job goes back to waiting admitted)."""
+        return self.admitted_at > 0.0
 
     @property
     def length(self) -> int:
