@@ -186,9 +186,10 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *row, i
 /* Rows [j0, j1) of the weight matrix against `tile` activation rows, into out[t * ldo + j]. */
 #define ROWS_OF(fn)                                                                          \
     static void rows_##fn(const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k, \
-                          const act_block *const *x, int tile, float *out, int64_t ldo) {    \
+                          const act_block *const *x, int tile, float *out, int64_t ldo, int ahead) { \
         float results[TILE];                                                                 \
         for (int64_t j = j0; j < j1; j++) {                                                  \
+            if (ahead) prefetch_ahead(w + j * row_bytes, row_bytes);                         \
             switch (tile) {                                                                  \
                 case 1: fn(w + j * row_bytes, k, x, 1, results); break;                     \
                 case 2: fn(w + j * row_bytes, k, x, 2, results); break;                     \
@@ -206,14 +207,14 @@ ROWS_OF(row_q5_k)
 ROWS_OF(row_q6_k)
 
 int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
-                       const act_block *const *x, int tile, float *out, int64_t ldo) {
+                       const act_block *const *x, int tile, float *out, int64_t ldo, int ahead) {
     switch (type) {
-        case T_Q8_0: rows_row_q8_0(w, row_bytes, j0, j1, k, x, tile, out, ldo); return 1;
-        case T_Q4_0: rows_row_q4_0(w, row_bytes, j0, j1, k, x, tile, out, ldo); return 1;
-        case T_Q5_0: rows_row_q5_0(w, row_bytes, j0, j1, k, x, tile, out, ldo); return 1;
-        case T_Q4_K: rows_row_q4_k(w, row_bytes, j0, j1, k, x, tile, out, ldo); return 1;
-        case T_Q5_K: rows_row_q5_k(w, row_bytes, j0, j1, k, x, tile, out, ldo); return 1;
-        case T_Q6_K: rows_row_q6_k(w, row_bytes, j0, j1, k, x, tile, out, ldo); return 1;
+        case T_Q8_0: rows_row_q8_0(w, row_bytes, j0, j1, k, x, tile, out, ldo, ahead); return 1;
+        case T_Q4_0: rows_row_q4_0(w, row_bytes, j0, j1, k, x, tile, out, ldo, ahead); return 1;
+        case T_Q5_0: rows_row_q5_0(w, row_bytes, j0, j1, k, x, tile, out, ldo, ahead); return 1;
+        case T_Q4_K: rows_row_q4_k(w, row_bytes, j0, j1, k, x, tile, out, ldo, ahead); return 1;
+        case T_Q5_K: rows_row_q5_k(w, row_bytes, j0, j1, k, x, tile, out, ldo, ahead); return 1;
+        case T_Q6_K: rows_row_q6_k(w, row_bytes, j0, j1, k, x, tile, out, ldo, ahead); return 1;
         default: return 0;
     }
 }
@@ -225,8 +226,9 @@ int llorch_has_direct(int type) {
 #else /* no AVX2: every type goes through the unpack path */
 
 int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
-                       const act_block *const *x, int tile, float *out, int64_t ldo) {
+                       const act_block *const *x, int tile, float *out, int64_t ldo, int ahead) {
     (void)type; (void)w; (void)row_bytes; (void)j0; (void)j1; (void)k; (void)x; (void)tile; (void)out; (void)ldo;
+    (void)ahead;
     return 0;
 }
 

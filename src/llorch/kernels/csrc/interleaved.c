@@ -28,7 +28,7 @@ static inline __m256i high_nibbles(__m256i v) { return low_nibbles(_mm256_srli_e
 /* Q8_0_R8 and Q5_0_R8: per 32-value block, steps v[0..8) of unsigned values w + offset. */
 static inline __attribute__((always_inline)) void small_blocks(int type, const uint8_t *w, int64_t k, int64_t j0,
                                                              int64_t j1, const act_block *const *x, int tile,
-                                                             float *out, int64_t ldo) {
+                                                             float *out, int64_t ldo, int ahead) {
     const int64_t blocks = k / QK, group_bytes = llorch_group_bytes(type);
     const float offset = type == T_Q8_0_R8 ? 128.0f : 16.0f;
     for (int64_t g = j0 / ROWS; g < j1 / ROWS; g++) {
@@ -36,6 +36,7 @@ static inline __attribute__((always_inline)) void small_blocks(int type, const u
         for (int t = 0; t < tile; t++) acc[t] = offsets[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *group = w + (g * blocks + b) * group_bytes;
+            if (ahead) prefetch_ahead(group, group_bytes);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)group));
             const __m256 shift = _mm256_mul_ps(d, _mm256_set1_ps(offset));
             __m256i v[8];
@@ -77,13 +78,15 @@ static inline __m256 unsigned_bytes(const uint8_t *p) {
 
 /* Q4_K_R8: per super-block of 256, d * sum_j dx_j * scale_j * dot_j - dmin * sum_j dx_j * min_j * xsum_j. */
 static inline __attribute__((always_inline)) void q4_k(const uint8_t *w, int64_t k, int64_t j0, int64_t j1,
-                                                     const act_block *const *x, int tile, float *out, int64_t ldo) {
+                                                     const act_block *const *x, int tile, float *out, int64_t ldo,
+                                                     int ahead) {
     const int64_t supers = k / QK_K, group_bytes = llorch_group_bytes(T_Q4_K_R8);
     for (int64_t g = j0 / ROWS; g < j1 / ROWS; g++) {
         __m256 total[TILE];
         for (int t = 0; t < tile; t++) total[t] = _mm256_setzero_ps();
         for (int64_t s = 0; s < supers; s++) {
             const uint8_t *group = w + (g * supers + s) * group_bytes;
+            if (ahead) prefetch_ahead(group, group_bytes);
             /* The 6-bit scales and minimums of all eight rows at once (k4_scale_min's unpacking). */
             const __m256i a = _mm256_loadu_si256((const __m256i *)(group + 32));
             const __m256i b = _mm256_loadu_si256((const __m256i *)(group + 64));
@@ -147,13 +150,15 @@ static inline __m256i high_pair(__m256i plane, int p) {
 /* Q6_K_R8: per 16 values an 8-bit scale, all integer within each 32 values (exact: at most
  * 2 x 16 x 32 x 127 x 128 < 2^24, so the float conversion is exact too). */
 static inline __attribute__((always_inline)) void q6_k(const uint8_t *w, int64_t k, int64_t j0, int64_t j1,
-                                                     const act_block *const *x, int tile, float *out, int64_t ldo) {
+                                                     const act_block *const *x, int tile, float *out, int64_t ldo,
+                                                     int ahead) {
     const int64_t supers = k / QK_K, group_bytes = llorch_group_bytes(T_Q6_K_R8);
     for (int64_t g = j0 / ROWS; g < j1 / ROWS; g++) {
         __m256 total[TILE];
         for (int t = 0; t < tile; t++) total[t] = _mm256_setzero_ps();
         for (int64_t s = 0; s < supers; s++) {
             const uint8_t *group = w + (g * supers + s) * group_bytes;
+            if (ahead) prefetch_ahead(group, group_bytes);
             __m256 acc[TILE];
             for (int t = 0; t < tile; t++) acc[t] = _mm256_setzero_ps();
             for (int b = 0; b < 8; b++) {
@@ -193,11 +198,11 @@ static inline __attribute__((always_inline)) void q6_k(const uint8_t *w, int64_t
     }
 
 void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x,
-                             int tile, float *out, int64_t ldo) {
-#define Q8(n) small_blocks(T_Q8_0_R8, w, k, j0, j1, x, n, out, ldo)
-#define Q5(n) small_blocks(T_Q5_0_R8, w, k, j0, j1, x, n, out, ldo)
-#define Q4K(n) q4_k(w, k, j0, j1, x, n, out, ldo)
-#define Q6K(n) q6_k(w, k, j0, j1, x, n, out, ldo)
+                             int tile, float *out, int64_t ldo, int ahead) {
+#define Q8(n) small_blocks(T_Q8_0_R8, w, k, j0, j1, x, n, out, ldo, ahead)
+#define Q5(n) small_blocks(T_Q5_0_R8, w, k, j0, j1, x, n, out, ldo, ahead)
+#define Q4K(n) q4_k(w, k, j0, j1, x, n, out, ldo, ahead)
+#define Q6K(n) q6_k(w, k, j0, j1, x, n, out, ldo, ahead)
     switch (type) {
         case T_Q8_0_R8: BY_TILE(Q8); break;
         case T_Q5_0_R8: BY_TILE(Q5); break;
@@ -208,7 +213,7 @@ void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, 
 #else
 /* Without VNNI no matrix is interleaved (llorch_repacked_type), so this is never called. */
 void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x,
-                             int tile, float *out, int64_t ldo) {
-    (void)type; (void)w; (void)k; (void)j0; (void)j1; (void)x; (void)tile; (void)out; (void)ldo;
+                             int tile, float *out, int64_t ldo, int ahead) {
+    (void)type; (void)w; (void)k; (void)j0; (void)j1; (void)x; (void)tile; (void)out; (void)ldo; (void)ahead;
 }
 #endif

@@ -172,15 +172,18 @@ int64_t llorch_group_bytes(int type);
 void llorch_repack(int type, const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst);
 
 /* Their kernels (interleaved.c): weight rows [j0, j1) (whole groups) against `tile` (1..4)
- * activation rows, into out[t * ldo + j]. */
+ * activation rows, into out[t * ldo + j]. `ahead`: the first pass over these weight rows, so
+ * ask memory for the bytes that follow them too (prefetch_ahead in simd.h); later passes
+ * find them in cache. */
 void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x,
-                             int tile, float *out, int64_t ldo);
+                             int tile, float *out, int64_t ldo, int ahead);
 
 /* The direct kernels (direct.c): weight rows [j0, j1) of a common block type against up to
- * four activation rows, decoded in registers, into out[t * ldo + j]; 0 for other types. */
+ * four activation rows, decoded in registers, into out[t * ldo + j]; 0 for other types.
+ * `ahead` as for the interleaved kernels. */
 int llorch_has_direct(int type);
 int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
-                       const act_block *const *x, int tile, float *out, int64_t ldo);
+                       const act_block *const *x, int tile, float *out, int64_t ldo, int ahead);
 
 /* Activation rows -> act_blocks (k a multiple of 32). */
 void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out);

@@ -131,7 +131,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
                     const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
                     const act_block *rows[DIRECT_TILE];
                     for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
-                    llorch_interleaved_rows(W->type, W->data, k, j0, j1, rows, tile, out + i * n, n);
+                    llorch_interleaved_rows(W->type, W->data, k, j0, j1, rows, tile, out + i * n, n, i == 0);
                 }
                 continue;
             }
@@ -140,7 +140,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
                     const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
                     const act_block *rows[DIRECT_TILE];
                     for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
-                    llorch_direct_rows(W->type, W->data, row_bytes, j0, j1, k, rows, tile, out + i * n, n);
+                    llorch_direct_rows(W->type, W->data, row_bytes, j0, j1, k, rows, tile, out + i * n, n, i == 0);
                 }
                 continue;
             }

@@ -15,6 +15,17 @@ static inline void k4_scale_min(int j, const uint8_t *q, uint8_t *scale, uint8_t
     }
 }
 
+/* Asks for the `bytes` that lie PREFETCH_AHEAD past `p`. Why: the hardware prefetchers stop
+ * at each 4 KiB page, so a kernel streaming weights from memory stalls at every new page;
+ * asking ahead keeps memory busy while the current bytes are computed on. Measured streaming
+ * Q4_K and Q6_K from memory (2 threads, Xeon): 17.7 -> 26 GB/s, the read roofline being 29. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 4096
+#endif
+static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + PREFETCH_AHEAD + line, 0, 3);
+}
+
 #ifdef LLORCH_AVX2
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
