@@ -1,13 +1,17 @@
-"""The benchmark's models: the embedded default model, and a Llama-architecture model of about
-one billion parameters built on this machine.
+"""The benchmark's models: the embedded default model, and Llama-architecture models of about
+one and three billion parameters built on this machine.
 
-Speed does not depend on the weights' values, so the large model has random weights:
-transformers initializes a Llama with TinyLlama's shape (22 layers, hidden size 2048,
-32 heads over 4 KV heads, MLP 5632, vocabulary 32000: 1.1 billion parameters), llama.cpp's
-own converter turns it into GGUF and its `llama-quantize` into Q4_K_M, from the pinned
-source (bench/llama_cpp.py). Its tokenizer is a SentencePiece BPE vocabulary (byte
-fallback, as Llama 2's) trained on English text found on this machine. The file is
-cached between runs (a first build takes a few minutes and about 7 GB of scratch disk).
+Speed does not depend on the weights' values, so the large models have random weights:
+transformers initializes a Llama of the given shape, llama.cpp's own converter turns it into
+GGUF and its `llama-quantize` into Q4_K_M, from the pinned source (bench/llama_cpp.py).
+- "1b": TinyLlama's shape (22 layers, hidden size 2048, 32 heads over 4 KV heads, MLP 5632):
+  1.1 billion parameters, 0.67 GB in Q4_K_M.
+- "3b": Llama 3.2 3B's shape (28 layers, hidden size 3072, 24 heads over 8 KV heads, MLP 8192)
+  with the same small vocabulary: 3.0 billion parameters, 1.8 GB in Q4_K_M, far larger than
+  any last-level cache, so its decode is bound by reading the weights on every machine.
+Their tokenizer is a SentencePiece BPE vocabulary (byte fallback, as Llama 2's) trained on
+English text found on this machine. The files are cached between runs (a first build takes
+a few minutes and up to 14 GB of scratch disk for the 3B one).
 """
 
 from __future__ import annotations
@@ -16,15 +20,22 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from llama_build import CACHE, convert_hf_to_gguf, quantize
 from llorch.weights.default_model import default_model_path
 
-BILLION = "llama-1.1b-random-q4_k_m.gguf"
-# TinyLlama 1.1B's shape: a Llama of about one billion parameters.
-BILLION_CONFIG = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-                  "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 4096,
-                  "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+_COMMON = {"vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0}
+# name -> (cached file, transformers LlamaConfig fields)
+RANDOM_LLAMAS: dict[str, tuple[str, dict[str, Any]]] = {
+    "1b": ("llama-1.1b-random-q4_k_m.gguf",
+           {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+            "num_key_value_heads": 4, **_COMMON}),
+    "3b": ("llama-3b-random-q4_k_m.gguf",
+           {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+            "num_key_value_heads": 8, **_COMMON}),
+}
 TOKENIZER_VOCAB = 8000  # trained on the text this machine has; the model's vocabulary is padded to 32000
 
 
@@ -43,25 +54,34 @@ def english_corpus() -> str:
 
 
 def billion_model() -> Path:
-    """The 1.1B-parameter Llama in Q4_K_M, built on first use and cached."""
-    target = CACHE / "models" / BILLION
+    return random_llama("1b")
+
+
+def three_billion_model() -> Path:
+    return random_llama("3b")
+
+
+def random_llama(name: str) -> Path:
+    """The random Llama `name` of RANDOM_LLAMAS in Q4_K_M, built on first use and cached."""
+    filename, config = RANDOM_LLAMAS[name]
+    target = CACHE / "models" / filename
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         work = Path(tmp)
         directory = work / "hf"
-        _write_random_llama(directory)
+        _write_random_llama(directory, config)
         f16 = work / "f16.gguf"
         convert_hf_to_gguf(directory, f16, "f16")
         shutil.rmtree(directory)
-        partial = work / BILLION
+        partial = work / filename
         quantize(f16, partial, "Q4_K_M")
         partial.replace(target)
     return target
 
 
-def _write_random_llama(directory: Path) -> None:
+def _write_random_llama(directory: Path, shape: dict[str, Any]) -> None:
     import sentencepiece
     import torch
     import transformers
@@ -75,10 +95,17 @@ def _write_random_llama(directory: Path) -> None:
         minloglevel=2)
     corpus.unlink()
     (directory / "tokenizer.vocab").unlink()
-    config = transformers.LlamaConfig(bos_token_id=1, eos_token_id=2, **BILLION_CONFIG)
+    config = transformers.LlamaConfig(bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = transformers.LlamaForCausalLM(config).to(torch.float16)
+    # Built in float16 from the start: a 3B model in float32 would need 12 GB on its own.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device("cpu"):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(directory, safe_serialization=True)
+    del model
     tokenizer = transformers.LlamaTokenizer(vocab_file=str(directory / "tokenizer.model"), legacy=True)
     tokenizer.save_pretrained(directory)
