@@ -125,6 +125,38 @@ def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtyp
             assert torch.equal(alone, ours[start : start + 1])
 
 
+@pytest.mark.parametrize(("group", "head_dim", "count"), [(8, 64, 128), (8, 64, 37), (4, 256, 77), (2, 64, 5),
+                                                      (7, 64, 128), (3, 80, 50), (1, 128, 1), (5, 32, 9)])
+def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group: int, head_dim: int,  # type: ignore[no-untyped-def]
+                                                                     count: int) -> None:
+    """Each head's max score, weight sum and weighted values over a chunk of cached positions.
+
+    The shapes take every path: sixteen dot products reduced at once and the rest one by one,
+    values summed eight slices at a time and the rest value by value (starting inside a head
+    when its slices do not divide by eight), and head sizes that are not a multiple of 16.
+    """
+    kv_heads, g, scale, first = 3, 1, 0.125, 4
+    rng = np.random.default_rng(group * 1000 + head_dim + count)
+    slots_total = first + count + 10
+    keys = torch.from_numpy(rng.standard_normal((slots_total, kv_heads * head_dim), dtype=np.float32))
+    values = torch.from_numpy(rng.standard_normal((slots_total, kv_heads * head_dim), dtype=np.float32))
+    q = torch.from_numpy(rng.standard_normal(kv_heads * group * head_dim, dtype=np.float32))
+    slots = torch.from_numpy(rng.permutation(slots_total).astype(np.int64))  # paged: any order of slots
+    scores = torch.empty(group * 128, dtype=torch.float32)
+    part = torch.full((group, head_dim + 2), float("nan"), dtype=torch.float32)
+    lib.llorch_attend_chunk(q.data_ptr(), keys.data_ptr(), values.data_ptr(), g, group, head_dim, kv_heads, scale,
+                            slots.data_ptr(), first, first + count, scores.data_ptr(), part.data_ptr())
+    rows = slots[first:first + count]
+    k = keys[rows].double().view(count, kv_heads, head_dim)[:, g]
+    v = values[rows].double().view(count, kv_heads, head_dim)[:, g]
+    s = q.double().view(kv_heads * group, head_dim)[g * group:(g + 1) * group] @ k.T * scale  # [group, count]
+    best = s.max(dim=1).values
+    weights = torch.exp(s - best[:, None])
+    torch.testing.assert_close(part[:, 0].double(), best, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(part[:, 1].double(), weights.sum(dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(part[:, 2:].double(), weights @ v, rtol=1e-5, atol=1e-4)
+
+
 def test_only_whole_groups_of_eight_rows_are_interleaved(lib) -> None:  # type: ignore[no-untyped-def]
     for rows, qtype in ((12, Q.Q8_0), (20, Q.Q4_K), (16, Q.Q4_1)):
         matrix = random_matrix(qtype, rows, 256, seed=rows)

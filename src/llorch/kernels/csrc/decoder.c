@@ -18,30 +18,10 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "llorch.h"
+#include "simd.h"
 #include "vmath.h"
 
-#define ATTN_CHUNK 128 /* keys per attention work item: fixed, so results never depend on the batch */
-
-/* -- small vector helpers (explicit SIMD: float reductions do not auto-vectorize) ------------- */
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float total = 0.0f;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    total = _mm512_reduce_add_ps(acc);
-#elif defined(LLORCH_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
-#endif
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
-}
-
+/* -- small vector helpers --------------------------------------------------------------------- */
 /* out = x * w / sqrt(mean(x^2) + eps), in place allowed. */
 static inline void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     const float inverse = 1.0f / sqrtf(dot_f32(x, x, n) / (float)n + eps);
@@ -76,47 +56,6 @@ static void project(const matrix *mats, int count, const float *x, int64_t m, in
         }
     }
     llorch_matmul_group_ws(mats, count, x, xq, m, outs);
-}
-
-/* -- attention ----------------------------------------------------------------------------------- */
-typedef struct {
-    float *scores;  /* [group, ATTN_CHUNK] per thread */
-} attn_scratch;
-
-/* One work item: the `group` query heads sharing kv head g, for one row, over one chunk of its
- * visible positions [first, last). Each key and value row is read once for all the heads.
- * Writes the chunk's max score, weight sum and weighted values per head (not yet
- * normalized) to `part`: [group][head_dim + 2]. */
-static void attend_chunk(const float *q_row, const layer_desc *L, int64_t g, int64_t group, int64_t head_dim,
-                         int64_t kv_heads, float scale, const int64_t *slots, int64_t first, int64_t last,
-                         float *scores, float *part) {
-    const int64_t count = last - first, stride = kv_heads * head_dim;
-    const float *q = q_row + g * group * head_dim;
-    for (int64_t p = 0; p < count; p++) {
-        const float *key = L->keys + slots[first + p] * stride + g * head_dim;
-        for (int64_t h = 0; h < group; h++) scores[h * ATTN_CHUNK + p] = dot_f32(q + h * head_dim, key, head_dim) * scale;
-    }
-    for (int64_t h = 0; h < group; h++) {
-        float *s = scores + h * ATTN_CHUNK, best = -INFINITY;
-        for (int64_t p = 0; p < count; p++) best = s[p] > best ? s[p] : best;
-        float total = 0.0f;
-        for (int64_t p = 0; p < count; p++) {
-            s[p] = v_exp(s[p] - best);
-            total += s[p];
-        }
-        float *out = part + h * (head_dim + 2);
-        out[0] = best;
-        out[1] = total;
-        for (int64_t d = 0; d < head_dim; d++) out[2 + d] = 0.0f;
-    }
-    for (int64_t p = 0; p < count; p++) {
-        const float *value = L->values + slots[first + p] * stride + g * head_dim;
-        for (int64_t h = 0; h < group; h++) {
-            float *restrict acc = part + h * (head_dim + 2) + 2;
-            const float weight = scores[h * ATTN_CHUNK + p];
-            for (int64_t d = 0; d < head_dim; d++) acc[d] += weight * value[d];
-        }
-    }
 }
 
 /* -- the step ------------------------------------------------------------------------------------ */
@@ -230,8 +169,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 const int64_t first = lowest + c * ATTN_CHUNK, last = first + ATTN_CHUNK < position + 1
                                                                           ? first + ATTN_CHUNK : position + 1;
                 if (first >= last) continue;
-                attend_chunk(q + r * NQ, L, g, group, HD, M->kv_heads, M->attn_scale, S->slots + S->slot_start[r],
-                             first, last, scores, parts + item * part_size);
+                llorch_attend_chunk(q + r * NQ, L->keys, L->values, g, group, HD, M->kv_heads, M->attn_scale,
+                                    S->slots + S->slot_start[r], first, last, scores, parts + item * part_size);
             }
             /* combine each head's chunks: the softmax over all its visible positions */
 #ifdef _OPENMP

@@ -23,6 +23,7 @@
 
 #define QK 32       /* values per activation block and per weight (sub-)block pair of halves */
 #define QK_K 256    /* values per K-quant super-block */
+#define ATTN_CHUNK 128 /* keys per attention work item: fixed, so results never depend on the batch */
 
 /* GGUF tensor types, numbered as in the file format. */
 enum gguf_type {
@@ -184,6 +185,14 @@ void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, 
 int llorch_has_direct(int type);
 int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
                        const act_block *const *x, int tile, float *out, int64_t ldo, int ahead);
+
+/* Attention (attention.c) of the `group` query heads sharing KV head g, for one row, over its
+ * cached positions [first, last) (at most ATTN_CHUNK): writes each head's max score, weight
+ * sum and weighted values (not yet normalized) to part[group][head_dim + 2]. `scores` is
+ * scratch of group * ATTN_CHUNK floats. */
+void llorch_attend_chunk(const float *q_row, const float *keys, const float *values, int64_t g, int64_t group,
+                         int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots, int64_t first,
+                         int64_t last, float *scores, float *part);
 
 /* Activation rows -> act_blocks (k a multiple of 32). */
 void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out);

@@ -1,4 +1,4 @@
-/* SIMD helpers the kernels share (AVX2 and up), and the K-quant scale unpacking. */
+/* SIMD helpers the kernels share, and the K-quant scale unpacking. */
 #ifndef LLORCH_SIMD_H
 #define LLORCH_SIMD_H
 
@@ -15,6 +15,26 @@ static inline void k4_scale_min(int j, const uint8_t *q, uint8_t *scale, uint8_t
     }
 }
 
+/* a . b over n floats: one vector accumulator in order, then its reduction (attention.c
+ * reproduces this order when it reduces sixteen at once). */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(LLORCH_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+#endif
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
 /* Asks for the `bytes` that lie PREFETCH_AHEAD past `p`. Why: the hardware prefetchers stop
  * at each 4 KiB page, so a kernel streaming weights from memory stalls at every new page;
  * asking ahead keeps memory busy while the current bytes are computed on. Measured streaming
@@ -24,6 +44,11 @@ static inline void k4_scale_min(int j, const uint8_t *q, uint8_t *scale, uint8_t
 #endif
 static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + PREFETCH_AHEAD + line, 0, 3);
+}
+
+/* Asks for the cache lines of n floats from p (a key or value row read soon). */
+static inline void prefetch_floats(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
 #ifdef LLORCH_AVX2

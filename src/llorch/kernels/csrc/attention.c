@@ -1,0 +1,152 @@
+/* Attention of one row's query heads over one chunk of its cached positions: the decoder
+ * step's work item (decoder.c), for the `group` query heads that share one KV head.
+ *
+ * Why this is more than three loops: in decode, attention reads each cached key and value
+ * once per head, and at a few hundred positions it took 14% of a 1.1B model's step, most of
+ * it in reducing each (position, head) dot product on its own and in adding to accumulators
+ * kept in memory. With AVX-512, sixteen dot products are reduced together and the weighted
+ * values are summed in registers. Both give the same bits as the plain loops (every sum is
+ * formed in the same order), so a row's result never depends on the build's path choice
+ * beyond the instruction set, as before.
+ */
+#include <math.h>
+
+#include "simd.h"
+#include "vmath.h"
+
+#define MAX_GROUP 64 /* query heads per KV head whose softmax runs side by side */
+#define AHEAD 8      /* positions whose keys or values are asked for before they are read */
+
+#if defined(__AVX512F__)
+/* Sixteen vectors reduced to their sums, lane i of the result holding sum(v[i]), each sum
+ * paired exactly as _mm512_reduce_add_ps pairs it: lane l with l + 8, then l with l + 4, then
+ * l with l + 2, then l with l + 1. The pairs of vectors are merged in the same steps. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 halves[8], quarters[4], eighths[2];
+    for (int i = 0; i < 8; i++) {  /* lanes 0-7: v[2i]'s l + (l + 8); lanes 8-15: v[2i + 1]'s */
+        const __m512 a = v[2 * i], b = v[2 * i + 1];
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int i = 0; i < 4; i++) {  /* 128-bit lane j: vector 4i + j's sums of l and l + 4 */
+        const __m512 a = halves[2 * i], b = halves[2 * i + 1];
+        quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    for (int i = 0; i < 2; i++) {  /* 128-bit lane j: {vector 4(2i) + j: l0 + l2, l1 + l3; vector 4(2i+1) + j: ...} */
+        const __m512 a = quarters[2 * i], b = quarters[2 * i + 1];
+        eighths[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    /* 128-bit lane j: the sums of vectors j, 4 + j, 8 + j, 12 + j */
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, sums);
+}
+
+/* scores[u] = scale * q_{u % group} . key_{u / group} for the sixteen units u0 .. u0 + 15. */
+static inline void score16(const float *q, const float *const *key_of, int64_t count, int64_t group,
+                           int64_t head_dim, float scale, int64_t u0, float *scores) {
+    for (int64_t p = u0 / group + AHEAD; p <= (u0 + 15) / group + AHEAD && p < count; p++)
+        prefetch_floats(key_of[p], head_dim);
+    __m512 acc[16];
+    const float *qs[16], *ks[16];
+    for (int i = 0; i < 16; i++) {
+        acc[i] = _mm512_setzero_ps();
+        qs[i] = q + ((u0 + i) % group) * head_dim;
+        ks[i] = key_of[(u0 + i) / group];
+    }
+    for (int64_t d = 0; d < head_dim; d += 16)
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qs[i] + d), _mm512_loadu_ps(ks[i] + d), acc[i]);
+    _mm512_storeu_ps(scores + u0, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+
+/* Weighted values of eight 16-value slices (unit u: head u / slices, slice u % slices), summed
+ * over the chunk's positions in order, in registers. */
+static inline void weigh8(const float *scores, const float *const *value_of, int64_t count, int64_t group,
+                          int64_t head_dim, int64_t u0, float *part) {
+    const int64_t slices = head_dim / 16;
+    __m512 acc[8];
+    const float *weights[8];
+    int64_t offset[8];
+    for (int i = 0; i < 8; i++) {
+        acc[i] = _mm512_setzero_ps();
+        weights[i] = scores + (u0 + i) / slices;
+        offset[i] = 16 * ((u0 + i) % slices);
+    }
+    for (int64_t p = 0; p < count; p++) {
+        if (p + AHEAD < count) prefetch_floats(value_of[p + AHEAD], head_dim);
+        const float *value = value_of[p];
+        for (int i = 0; i < 8; i++)
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(weights[i][p * group]),
+                                                         _mm512_loadu_ps(value + offset[i])));
+    }
+    for (int i = 0; i < 8; i++)
+        _mm512_storeu_ps(part + (weights[i] - scores) * (head_dim + 2) + 2 + offset[i], acc[i]);
+}
+#endif
+
+void llorch_attend_chunk(const float *q_row, const float *keys, const float *values, int64_t g, int64_t group,
+                         int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots, int64_t first,
+                         int64_t last, float *scores, float *part) {
+    const int64_t count = last - first, stride = kv_heads * head_dim, units = count * group;
+    const float *q = q_row + g * group * head_dim;
+    const float *key_of[ATTN_CHUNK], *value_of[ATTN_CHUNK];
+    for (int64_t p = 0; p < count; p++) {
+        key_of[p] = keys + slots[first + p] * stride + g * head_dim;
+        value_of[p] = values + slots[first + p] * stride + g * head_dim;
+    }
+    for (int64_t p = 0; p < count && p < AHEAD; p++) prefetch_floats(key_of[p], head_dim);
+    /* scores[p * group + h] = scale * q_h . key_p */
+    int64_t u = 0;
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0)
+        for (; u + 16 <= units; u += 16) score16(q, key_of, count, group, head_dim, scale, u, scores);
+#endif
+    for (; u < units; u++) scores[u] = dot_f32(q + (u % group) * head_dim, key_of[u / group], head_dim) * scale;
+
+    /* per head: the chunk's max score, its weights e^(s - max) and their sum; the heads are the
+     * inner loop, so each head's chain of max and sum runs beside the others' (same order per head) */
+    float best[MAX_GROUP], total[MAX_GROUP];
+    const int64_t together = group < MAX_GROUP ? group : MAX_GROUP;
+    for (int64_t h0 = 0; h0 < group; h0 += together) {
+        const int64_t n = group - h0 < together ? group - h0 : together;
+        for (int64_t h = 0; h < n; h++) {
+            best[h] = -INFINITY;
+            total[h] = 0.0f;
+        }
+        for (int64_t p = 0; p < count; p++) {
+            const float *s = scores + p * group + h0;
+            for (int64_t h = 0; h < n; h++) best[h] = s[h] > best[h] ? s[h] : best[h];
+        }
+        for (int64_t p = 0; p < count; p++) {
+            float *s = scores + p * group + h0;
+            for (int64_t h = 0; h < n; h++) {
+                s[h] = v_exp(s[h] - best[h]);
+                total[h] += s[h];
+            }
+        }
+        for (int64_t h = 0; h < n; h++) {
+            part[(h0 + h) * (head_dim + 2)] = best[h];
+            part[(h0 + h) * (head_dim + 2) + 1] = total[h];
+        }
+    }
+
+    /* per head: the weighted sum of the values, not yet normalized */
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    if (head_dim % 16 == 0)
+        for (; v + 8 <= group * head_dim / 16; v += 8) weigh8(scores, value_of, count, group, head_dim, v, part);
+#endif
+    /* what is left, value by value (from the first head none of the slices above covered) */
+    for (int64_t h = head_dim % 16 == 0 ? v * 16 / head_dim : 0; h < group; h++) {
+        const int64_t from = head_dim % 16 == 0 && h == v * 16 / head_dim ? (v * 16) % head_dim : 0;
+        float *restrict acc = part + h * (head_dim + 2) + 2;
+        for (int64_t d = from; d < head_dim; d++) acc[d] = 0.0f;
+        for (int64_t p = 0; p < count; p++) {
+            const float weight = scores[p * group + h];
+            for (int64_t d = from; d < head_dim; d++) acc[d] += weight * value_of[p][d];
+        }
+    }
+}
