@@ -76,7 +76,7 @@ static inline void weigh8(const float *scores, const float *const *value_of, int
         offset[i] = 16 * ((u0 + i) % slices);
     }
     for (int64_t p = 0; p < count; p++) {
-        if (p + AHEAD < count) prefetch_floats(value_of[p + AHEAD], head_dim);
+        if (u0 == 0 && p + AHEAD < count) prefetch_floats(value_of[p + AHEAD], head_dim);  /* the first pass */
         const float *value = value_of[p];
         for (int i = 0; i < 8; i++)
             acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(weights[i][p * group]),
