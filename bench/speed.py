@@ -236,6 +236,9 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
     section["bytes_per_token"] = {"llorch": sum(m.weight.numel() for m in served.model.modules()
                                                 if hasattr(m, "weight_type")),
                                   "llama.cpp": sum(t.nbytes for t in GGUFFile(model).tensors.values())}
+    # The KV pool of the concurrency worker holds as many tokens as llama-server's slots (its
+    # default budget would hold fewer of a large model's tokens, and jobs would wait for blocks).
+    kv_block_bytes = bytes_per_block(served.config, served.dtype)
     print(f"{label}: {model.name}", flush=True)
 
     def in_process(loaded: LoadedModel) -> dict[str, Any]:
@@ -265,7 +268,8 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
         slots = max(args.clients)
         port = free_port()
         attempt(section, "llorch", lambda: concurrency.bench_server(
-            "llorch", llorch_worker_command(args, model, port, slots, concurrency.SLOT_CONTEXT),
+            "llorch", [*llorch_worker_command(args, model, port, slots, concurrency.SLOT_CONTEXT), "--kv-cache-mb",
+                       str(-(-(slots * concurrency.SLOT_CONTEXT // BLOCK_SIZE + 1) * kv_block_bytes // 2**20))],
             f"http://127.0.0.1:{port}", llorch_healthy, concurrency.llorch_job, args), into="concurrency")
         if llama_cpp is not None:
             port = free_port()
