@@ -139,9 +139,9 @@ void llorch_attend_chunk(const float *q_row, const float *keys, const float *val
     if (head_dim % 16 == 0)
         for (; v + 8 <= group * head_dim / 16; v += 8) weigh8(scores, value_of, count, group, head_dim, v, part);
 #endif
-    /* what is left, value by value (from the first head none of the slices above covered) */
-    for (int64_t h = head_dim % 16 == 0 ? v * 16 / head_dim : 0; h < group; h++) {
-        const int64_t from = head_dim % 16 == 0 && h == v * 16 / head_dim ? (v * 16) % head_dim : 0;
+    /* what is left, value by value: from value v * 16 of all the heads' values laid end to end */
+    for (int64_t h = v * 16 / head_dim; h < group; h++) {
+        const int64_t from = h == v * 16 / head_dim ? v * 16 % head_dim : 0;
         float *restrict acc = part + h * (head_dim + 2) + 2;
         for (int64_t d = from; d < head_dim; d++) acc[d] = 0.0f;
         for (int64_t p = 0; p < count; p++) {
