@@ -64,6 +64,7 @@ def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+@functools.cache  # the CPU does not change under a process; the engine asks for the library every step
 def cpu_flags() -> frozenset[str]:
     for line in cpuinfo().splitlines():
         if line.startswith("flags"):
@@ -174,4 +175,9 @@ def load_variant(name: str) -> ctypes.CDLL:
 
 def library() -> ctypes.CDLL:
     """The kernels this worker uses: the best variant for this CPU (or LLORCH_KERNELS's)."""
+    return _library_for(os.environ.get("LLORCH_KERNELS"))
+
+
+@functools.cache  # asked for on every engine step: choosing again each time cost ~10 us
+def _library_for(forced: str | None) -> ctypes.CDLL:
     return load_variant(chosen_variant().name)
