@@ -157,6 +157,57 @@ def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group
     torch.testing.assert_close(part[:, 2:].double(), weights @ v, rtol=1e-5, atol=1e-4)
 
 
+def reference_draw(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution these filters define, in float64: softmax(logits / T) over the top-k
+    tokens, the smallest most-probable prefix reaching top_p, tokens under min_p times the most
+    probable dropped; returned with its cumulative sum in vocabulary order."""
+    z = (logits.astype(np.float64) - logits.max()) / temperature
+    if 0 < top_k < z.size:
+        z = np.where(z < np.sort(z)[-top_k], -np.inf, z)
+    probs = np.exp(z) / np.exp(z).sum()
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        before = np.cumsum(probs[order]) - probs[order]
+        drop = before >= top_p
+        drop[0] = False
+        probs[order[drop]] = 0.0
+    probs = np.where(probs < min_p * probs.max(), 0.0, probs)
+    probs /= probs.sum()
+    return probs, np.cumsum(probs)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (0.8, 40, 0.9, 0.0), (1.0, 0, 0.9, 0.0), (1.0, 0, 0.95, 0.05),
+    (1.3, 50, 1.0, 0.0), (0.5, 3, 0.5, 0.1), (1.0, 0, 1.0, 0.1), (1e-6, 0, 1.0, 0.0), (2.0, 1000, 0.99, 0.0)])
+def test_a_sampled_token_is_where_the_uniform_falls_in_the_filtered_distribution(  # type: ignore[no-untyped-def]
+        lib, temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    """For a grid of uniforms, the token drawn is the first in vocabulary order whose cumulative
+    probability passes the uniform, under the float64 reference (a token the filters drop is
+    never drawn; a uniform within 1e-5 of a boundary may land on either side of it)."""
+    rng = np.random.default_rng(7)
+    for vocab, scale in [(5, 1.0), (1000, 4.0), (262_144, 5.0), (32_768, 0.5)]:
+        logits = (rng.standard_normal(vocab) * scale).astype(np.float32)
+        logits[rng.integers(vocab)] = float(logits.max())  # a tie for the top
+        probs, cumulative = reference_draw(logits, temperature, top_k, top_p, min_p)
+        row = torch.from_numpy(logits)
+        for uniform in np.linspace(0.0, 0.9999, 101):
+            token = lib.llorch_sample_row(row.data_ptr(), vocab, temperature, top_k, top_p, min_p, float(uniform))
+            assert probs[token] > 0.0, (vocab, uniform, token)
+            expected = int(np.searchsorted(cumulative, uniform, side="right"))
+            if token != expected:
+                assert np.abs(cumulative - uniform).min() < 1e-5, (vocab, uniform, token, expected)
+
+
+def test_a_row_with_a_nan_or_an_infinity_is_left_to_the_caller(lib) -> None:  # type: ignore[no-untyped-def]
+    for bad in (float("nan"), float("inf")):
+        row = torch.randn(1000)
+        row[17] = bad
+        assert lib.llorch_sample_row(row.data_ptr(), 1000, 1.0, 0, 1.0, 0.0, 0.5) == -1
+    row = torch.full((1000,), float("-inf"))
+    assert lib.llorch_sample_row(row.data_ptr(), 1000, 1.0, 0, 1.0, 0.0, 0.5) == -1
+
+
 def test_only_whole_groups_of_eight_rows_are_interleaved(lib) -> None:  # type: ignore[no-untyped-def]
     for rows, qtype in ((12, Q.Q8_0), (20, Q.Q4_K), (16, Q.Q4_1)):
         matrix = random_matrix(qtype, rows, 256, seed=rows)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from llorch.engine.request import SamplingParams
-from llorch.kernels.rows import argmax_rows
+from llorch.kernels.rows import argmax_rows, sample_row
 
 # A draw lands strictly below the total mass, whatever float32 rounding does to u * total.
 _BELOW_ONE = 1.0 - 2.0**-20
@@ -156,6 +156,17 @@ def draw(probs: Tensor, uniform: float) -> Tensor:
     return torch.searchsorted(cumulative, target, right=True)[0].clamp_(max=probs.numel() - 1)
 
 
+def sample(logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
+    """One row's token (0-d tensor) for a `uniform` draw: in one C pass on the CPU, with torch
+    elsewhere and for a row the C pass leaves to it (a NaN or an infinity)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        token = sample_row(logits, max(params.temperature, MIN_TEMPERATURE), params.top_k, params.top_p,
+                           params.min_p, uniform * _BELOW_ONE)
+        if token is not None:
+            return torch.tensor(token)
+    return draw(filtered_probs(logits, params), uniform)
+
+
 def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Sequence[int | None] = ()) -> list[Sampled]:
     """One token per row of `logits` [R, vocab], row i drawn with `states[i]`.
 
@@ -178,7 +189,7 @@ def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Seque
             chosen.append(by_row[i])
             continue
         row = penalized(logits[i], state)
-        chosen.append(row.argmax() if greedy[i] else draw(filtered_probs(row, state.params), state.uniform()))
+        chosen.append(row.argmax() if greedy[i] else sample(row, state.params, state.uniform()))
     ids = torch.stack(chosen)
     extras: list[Tensor] = []
     for i, k in enumerate(wanted):

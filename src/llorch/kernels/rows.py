@@ -22,6 +22,17 @@ def argmax_rows(logits: Tensor) -> list[int]:
     return [i if i >= 0 else int(logits[r].argmax()) for r, i in enumerate(ids)]
 
 
+def sample_row(logits: Tensor, temperature: float, top_k: int, top_p: float, min_p: float, uniform: float
+               ) -> int | None:
+    """One token drawn from a float32 CPU row of logits: softmax(logits / temperature) after
+    top_k, top_p and min_p, the first token in vocabulary order whose cumulative probability
+    passes `uniform`. None for a row holding a NaN or an infinity, which the caller decides.
+    """
+    row = logits.contiguous()  # held while C reads it: a temporary's memory would be freed first
+    token = library().llorch_sample_row(row.data_ptr(), row.numel(), temperature, top_k, top_p, min_p, uniform)
+    return None if token < 0 else int(token)
+
+
 def mask_rows(logits: Tensor, rows: list[int], bitmask: Tensor) -> None:
     """Set logits[rows[j], t] to -inf wherever bit t of bitmask[j] is clear (in place).
 

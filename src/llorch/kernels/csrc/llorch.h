@@ -150,6 +150,12 @@ int64_t llorch_struct_layout(int which, int64_t *out);
 /* The index of each row's largest value (the first one, as torch.argmax); -1 for a row with a NaN. */
 void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
 
+/* One token drawn from softmax(x / temperature) after top_k, top_p and min_p (0, 1 and 0 when
+ * off), as the first in vocabulary order whose cumulative probability passes `uniform` in
+ * [0, 1); -1 for a row holding a NaN or an infinity, or when scratch cannot be allocated. */
+int64_t llorch_sample_row(const float *x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
+                          double uniform);
+
 /* Constrained decoding: x[j] = -inf wherever bit j of `allowed` (bit j % 32 of word j / 32) is clear. */
 void llorch_mask_row(float *x, int64_t cols, const uint32_t *allowed, int64_t words);
 
