@@ -10,8 +10,7 @@ sends back.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -26,6 +25,7 @@ from llorch.api import anthropic, llama_server, ollama, openai, responses, token
 from llorch.api.anthropic import create_anthropic_router
 from llorch.api.auth import install_bearer_auth
 from llorch.api.body import BadRequest, openapi_components, openapi_json_body, read_json
+from llorch.api.correlation import Correlation
 from llorch.api.cors import install_cors
 from llorch.api.errors import (
     RETRY,
@@ -47,11 +47,9 @@ from llorch.api.streaming import NDJSON, SSE, frame, negotiate
 from llorch.api.tokenizer_routes import create_tokenizer_router
 from llorch.api.worker_schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.engine.errors import EngineRefusal
-from llorch.logs import correlation_id
 
 # The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
 WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
-CORRELATION_HEADER = "X-Correlation-ID"
 OPENAI_PREFIX = "/v1"
 
 
@@ -91,17 +89,7 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
     if api_key:
         install_bearer_auth(app, api_key)
 
-    @app.middleware("http")
-    async def correlate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        """Echo (or mint) a correlation id, and put it on every log line of this request."""
-        value = request.headers.get(CORRELATION_HEADER) or uuid.uuid4().hex
-        token = correlation_id.set(value[:128])
-        try:
-            response = await call_next(request)
-        finally:
-            correlation_id.reset(token)
-        response.headers[CORRELATION_HEADER] = value[:128]
-        return response
+    app.add_middleware(Correlation)
 
     def rejected(response: JSONResponse, outcome: str) -> JSONResponse:
         state.telemetry.requests.labels(outcome=outcome).inc()
