@@ -45,27 +45,70 @@ static inline __m512 reduce16(const __m512 v[16]) {
     return _mm512_permutexvar_ps(order, sums);
 }
 
-/* scores[u] = scale * q_{u % group} . key_{u / group} for the sixteen units u0 .. u0 + 15. */
-static inline void score16(const float *q, const float *const *key_of, int64_t count, int64_t group,
-                           int64_t head_dim, float scale, int64_t u0, float *scores) {
+/* scores[u] = scale * q_{u % group} . key_{u / group} for the sixteen units u0 .. u0 + 15.
+ * `heads` query heads times `positions` keys, heads * positions = 16: when the group divides
+ * sixteen (positions = 16 / group) or sixteen divides it (one key, sixteen of its heads), each
+ * query slice and each key slice is loaded once and used by every unit that needs it; with
+ * heads = 0 (any other group) each unit loads its own. The products and their order are the
+ * same in every case, so are the bits. */
+static inline __attribute__((always_inline)) void score16(const float *q, const float *const *key_of, int64_t count,
+                                                         int64_t group, int64_t head_dim, float scale, int64_t u0,
+                                                         float *scores, const int heads) {
     for (int64_t p = u0 / group + AHEAD; p <= (u0 + 15) / group + AHEAD && p < count; p++)
         prefetch_floats(key_of[p], head_dim);
     __m512 acc[16];
-    const float *qs[16], *ks[16];
-    for (int i = 0; i < 16; i++) {
-        acc[i] = _mm512_setzero_ps();
-        qs[i] = q + ((u0 + i) % group) * head_dim;
-        ks[i] = key_of[(u0 + i) / group];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    if (heads) {
+        const int positions = 16 / heads;
+        const float *qs[16], *ks[16];
+        for (int h = 0; h < heads; h++) qs[h] = q + (u0 % group + h) * head_dim;
+        for (int p = 0; p < positions; p++) ks[p] = key_of[u0 / group + p];
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            __m512 qv[16], kv[16];
+            for (int h = 0; h < heads; h++) qv[h] = _mm512_loadu_ps(qs[h] + d);
+            for (int p = 0; p < positions; p++) kv[p] = _mm512_loadu_ps(ks[p] + d);
+            for (int p = 0; p < positions; p++)
+                for (int h = 0; h < heads; h++) acc[p * heads + h] = _mm512_fmadd_ps(qv[h], kv[p], acc[p * heads + h]);
+        }
+    } else {
+        const float *qs[16], *ks[16];
+        for (int i = 0; i < 16; i++) {
+            qs[i] = q + ((u0 + i) % group) * head_dim;
+            ks[i] = key_of[(u0 + i) / group];
+        }
+        for (int64_t d = 0; d < head_dim; d += 16)
+            for (int i = 0; i < 16; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qs[i] + d), _mm512_loadu_ps(ks[i] + d), acc[i]);
     }
-    for (int64_t d = 0; d < head_dim; d += 16)
-        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qs[i] + d), _mm512_loadu_ps(ks[i] + d), acc[i]);
     _mm512_storeu_ps(scores + u0, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
 
+static void score_all16(const float *q, const float *const *key_of, int64_t count, int64_t group, int64_t head_dim,
+                        float scale, int64_t units, float *scores) {
+#define SCORE(heads) for (int64_t u = 0; u + 16 <= units; u += 16) \
+                         score16(q, key_of, count, group, head_dim, scale, u, scores, heads)
+    switch (group) {
+        case 1: SCORE(1); break;
+        case 2: SCORE(2); break;
+        case 4: SCORE(4); break;
+        case 8: SCORE(8); break;
+        default:
+            if (group % 16 == 0) {
+                SCORE(16);
+            } else {
+                SCORE(0);
+            }
+    }
+#undef SCORE
+}
+
 /* Weighted values of eight 16-value slices (unit u: head u / slices, slice u % slices), summed
- * over the chunk's positions in order, in registers. */
-static inline void weigh8(const float *scores, const float *const *value_of, int64_t count, int64_t group,
-                          int64_t head_dim, int64_t u0, float *part) {
+ * over the chunk's positions in order, in registers. `heads` heads of 8 / heads slices each
+ * when a head's slices divide eight or eight divide them: each weight is broadcast and each
+ * value slice loaded once per position (0: every unit on its own). Same bits either way. */
+static inline __attribute__((always_inline)) void weigh8(const float *scores, const float *const *value_of,
+                                                        int64_t count, int64_t group, int64_t head_dim, int64_t u0,
+                                                        float *part, const int heads) {
     const int64_t slices = head_dim / 16;
     __m512 acc[8];
     const float *weights[8];
@@ -75,15 +118,46 @@ static inline void weigh8(const float *scores, const float *const *value_of, int
         weights[i] = scores + (u0 + i) / slices;
         offset[i] = 16 * ((u0 + i) % slices);
     }
+    const int per_head = heads ? 8 / heads : 1;
     for (int64_t p = 0; p < count; p++) {
         if (u0 == 0 && p + AHEAD < count) prefetch_floats(value_of[p + AHEAD], head_dim);  /* the first pass */
         const float *value = value_of[p];
-        for (int i = 0; i < 8; i++)
-            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(weights[i][p * group]),
-                                                         _mm512_loadu_ps(value + offset[i])));
+        if (heads) {
+            __m512 w[8], v[8];
+            for (int h = 0; h < heads; h++) w[h] = _mm512_set1_ps(weights[h * per_head][p * group]);
+            for (int s = 0; s < per_head; s++) v[s] = _mm512_loadu_ps(value + offset[s]);
+            for (int h = 0; h < heads; h++)
+                for (int s = 0; s < per_head; s++)
+                    acc[h * per_head + s] = _mm512_add_ps(acc[h * per_head + s], _mm512_mul_ps(w[h], v[s]));
+        } else {
+            for (int i = 0; i < 8; i++)
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_set1_ps(weights[i][p * group]),
+                                                             _mm512_loadu_ps(value + offset[i])));
+        }
     }
     for (int i = 0; i < 8; i++)
         _mm512_storeu_ps(part + (weights[i] - scores) * (head_dim + 2) + 2 + offset[i], acc[i]);
+}
+
+/* Every whole group of eight units; returns how many units that was. */
+static int64_t weigh_all8(const float *scores, const float *const *value_of, int64_t count, int64_t group,
+                          int64_t head_dim, float *part) {
+    const int64_t slices = head_dim / 16, units = group * slices / 8 * 8;
+#define WEIGH(heads) for (int64_t v = 0; v < units; v += 8) \
+                         weigh8(scores, value_of, count, group, head_dim, v, part, heads)
+    if (slices % 8 == 0) {
+        WEIGH(1);
+    } else if (slices == 4) {
+        WEIGH(2);
+    } else if (slices == 2) {
+        WEIGH(4);
+    } else if (slices == 1) {
+        WEIGH(8);
+    } else {
+        WEIGH(0);
+    }
+#undef WEIGH
+    return units;
 }
 #endif
 
@@ -101,8 +175,10 @@ void llorch_attend_chunk(const float *q_row, const float *keys, const float *val
     /* scores[p * group + h] = scale * q_h . key_p */
     int64_t u = 0;
 #if defined(__AVX512F__)
-    if (head_dim % 16 == 0)
-        for (; u + 16 <= units; u += 16) score16(q, key_of, count, group, head_dim, scale, u, scores);
+    if (head_dim % 16 == 0) {
+        score_all16(q, key_of, count, group, head_dim, scale, units, scores);
+        u = units / 16 * 16;
+    }
 #endif
     for (; u < units; u++) scores[u] = dot_f32(q + (u % group) * head_dim, key_of[u / group], head_dim) * scale;
 
@@ -120,11 +196,24 @@ void llorch_attend_chunk(const float *q_row, const float *keys, const float *val
             const float *s = scores + p * group + h0;
             for (int64_t h = 0; h < n; h++) best[h] = s[h] > best[h] ? s[h] : best[h];
         }
-        for (int64_t p = 0; p < count; p++) {
-            float *s = scores + p * group + h0;
-            for (int64_t h = 0; h < n; h++) {
-                s[h] = v_exp(s[h] - best[h]);
-                total[h] += s[h];
+        if (n == group && 16 % group == 0) {
+            /* e^(s - max) is elementwise: sixteen units at a time (vectorized), then each head's
+             * sum in position order as before, so the bits do not change */
+            float shift[16];
+            for (int l = 0; l < 16; l++) shift[l] = best[l % group];
+            int64_t i = 0;
+            for (; i + 16 <= units; i += 16)
+                for (int l = 0; l < 16; l++) scores[i + l] = v_exp(scores[i + l] - shift[l]);
+            for (; i < units; i++) scores[i] = v_exp(scores[i] - best[i % group]);
+            for (int64_t p = 0; p < count; p++)
+                for (int64_t h = 0; h < n; h++) total[h] += scores[p * group + h];
+        } else {
+            for (int64_t p = 0; p < count; p++) {
+                float *s = scores + p * group + h0;
+                for (int64_t h = 0; h < n; h++) {
+                    s[h] = v_exp(s[h] - best[h]);
+                    total[h] += s[h];
+                }
             }
         }
         for (int64_t h = 0; h < n; h++) {
@@ -136,8 +225,7 @@ void llorch_attend_chunk(const float *q_row, const float *keys, const float *val
     /* per head: the weighted sum of the values, not yet normalized */
     int64_t v = 0;
 #if defined(__AVX512F__)
-    if (head_dim % 16 == 0)
-        for (; v + 8 <= group * head_dim / 16; v += 8) weigh8(scores, value_of, count, group, head_dim, v, part);
+    if (head_dim % 16 == 0) v = weigh_all8(scores, value_of, count, group, head_dim, part);
 #endif
     /* what is left, value by value: from value v * 16 of all the heads' values laid end to end */
     for (int64_t h = v * 16 / head_dim; h < group; h++) {
