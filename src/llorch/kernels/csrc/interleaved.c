@@ -110,12 +110,6 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
         _mm512_storeu_si512(unpacked[2], _mm512_and_si512(b, six));
         _mm512_storeu_si512(unpacked[3], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
                                                          _mm512_and_si512(_mm512_srli_epi16(b, 2), top)));
-        __m512 scale[8], min[8];
-        for (int j = 0; j < 8; j++) {
-            const uint8_t *sc = unpacked[j / 4] + 8 * (j % 4), *mn = unpacked[2 + j / 4] + 8 * (j % 4);
-            scale[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(sc, sc + 32)));
-            min[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(mn, mn + 32)));
-        }
         __m512 acc[TILE], mins[TILE];
         for (int t = 0; t < tile; t++) acc[t] = mins[t] = _mm512_setzero_ps();
         for (int p = 0; p < 4; p++) {
@@ -134,15 +128,22 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
                     odd[t] = _mm512_dpbusd_epi32(odd[t], hi, _mm512_set1_epi32(four_hi));
                 }
             }
+            __m512 scale[2], min[2];  /* sub-blocks 2p and 2p + 1, converted here: fewer registers held */
+            for (int j = 0; j < 2; j++) {
+                const int sub = 2 * p + j;
+                const uint8_t *sc = unpacked[sub / 4] + 8 * (sub % 4), *mn = unpacked[2 + sub / 4] + 8 * (sub % 4);
+                scale[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(sc, sc + 32)));
+                min[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(mn, mn + 32)));
+            }
             for (int t = 0; t < tile; t++) {
                 const act_block *first = x[t] + s * 8 + 2 * p, *second = first + 1;
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even[t]),
-                                         _mm512_mul_ps(scale[2 * p], _mm512_set1_ps(first->d)), acc[t]);
+                                         _mm512_mul_ps(scale[0], _mm512_set1_ps(first->d)), acc[t]);
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd[t]),
-                                         _mm512_mul_ps(scale[2 * p + 1], _mm512_set1_ps(second->d)), acc[t]);
-                mins[t] = _mm512_fmadd_ps(min[2 * p], _mm512_set1_ps(first->d * (float)(first->sum[0] + first->sum[1])),
+                                         _mm512_mul_ps(scale[1], _mm512_set1_ps(second->d)), acc[t]);
+                mins[t] = _mm512_fmadd_ps(min[0], _mm512_set1_ps(first->d * (float)(first->sum[0] + first->sum[1])),
                                           mins[t]);
-                mins[t] = _mm512_fmadd_ps(min[2 * p + 1],
+                mins[t] = _mm512_fmadd_ps(min[1],
                                           _mm512_set1_ps(second->d * (float)(second->sum[0] + second->sum[1])), mins[t]);
             }
         }
