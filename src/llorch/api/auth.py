@@ -30,11 +30,15 @@ class BearerAuth:
         self.expected_header_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.allowed(Request(scope)):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        if self.allowed(request):
             await self.app(scope, receive, send)
             return
         message = "missing or wrong API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')"
-        response = error_for_path(Request(scope).url.path, 401, message, code="invalid_api_key",
+        response = error_for_path(request.url.path, 401, message, code="invalid_api_key",
                                   field="authorization", constraint="API key", headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 

@@ -181,4 +181,5 @@ def library() -> ctypes.CDLL:
 
 @functools.cache  # asked for on every engine step: choosing again each time cost ~10 us
 def _library_for(forced: str | None) -> ctypes.CDLL:
+    """The chosen library, cached by LLORCH_KERNELS's value (`forced`), which chosen_variant reads."""
     return load_variant(chosen_variant().name)

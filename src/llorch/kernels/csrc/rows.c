@@ -139,16 +139,21 @@ static int64_t ranked_kept(const float *w, int64_t n, double total, int64_t top_
     return kept;
 }
 
-/* The sum of the weights at or above `least` among w[0..n), in sixteen float lanes (a plain
- * sum would not vectorize: C keeps the order of a scalar float sum). */
-static double mass_from(const float *w, int64_t n, float least) {
+/* The sum of the weights at or above `least` among w[0..16 * groups), in sixteen float lanes (a
+ * plain sum would not vectorize: C keeps the order of a scalar float sum). */
+static double lanes_mass(const float *w, int64_t groups, float least) {
     float lanes[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
+    for (int64_t i = 0; i < 16 * groups; i += 16)
         for (int l = 0; l < 16; l++) lanes[l] += w[i + l] >= least ? w[i + l] : 0.0f;
     double total = 0.0;
     for (int l = 0; l < 16; l++) total += lanes[l];
-    for (; i < n; i++) total += w[i] >= least ? w[i] : 0.0f;
+    return total;
+}
+
+/* The same over w[0..n). */
+static double mass_from(const float *w, int64_t n, float least) {
+    double total = lanes_mass(w, n / 16, least);
+    for (int64_t i = n / 16 * 16; i < n; i++) total += w[i] >= least ? w[i] : 0.0f;
     return total;
 }
 
@@ -162,11 +167,7 @@ static int64_t first_past(const float *w, int64_t n, float least, double target)
     for (int64_t start = 0; start < n; start += DRAW_BLOCK) {
         const int64_t end = start + DRAW_BLOCK < n ? start + DRAW_BLOCK : n;
         if (end - start == DRAW_BLOCK) {
-            float lanes[16] = {0};
-            for (int64_t i = start; i < end; i += 16)
-                for (int l = 0; l < 16; l++) lanes[l] += w[i + l] >= least ? w[i + l] : 0.0f;
-            double block = 0.0;
-            for (int l = 0; l < 16; l++) block += lanes[l];
+            const double block = lanes_mass(w + start, DRAW_BLOCK / 16, least);
             if (cumulative + block <= target * (1.0 - 1e-6)) { /* clearly short of it: skip the block */
                 cumulative += block;
                 for (int64_t j = end - 1; j >= start; j--)
@@ -195,8 +196,7 @@ int64_t llorch_sample_row(const float *x, int64_t n, float temperature, int64_t 
     if (isnan(high) || isinf(high)) return -1; /* the caller decides such a row */
     /* w = e^((x - max) / T), the softmax's numerators: the largest is exactly 1 */
     for (int64_t i = 0; i < n; i++) w[i] = v_exp((x[i] - high) / temperature);
-    const double total = mass_from(w, n, 0.0f);
-    if (!(total >= 1.0) || isinf(total)) return -1;
+    const double total = mass_from(w, n, 0.0f); /* at least 1 and at most n: every weight is in [0, 1] */
     /* min_p drops weights below min_p times the largest, which is 1 */
     if (!((top_k > 0 && top_k < n) || top_p < 1.0f))
         return first_past(w, n, min_p, (min_p > 0.0f ? mass_from(w, n, min_p) : total) * uniform);
