@@ -15,8 +15,9 @@ from collections.abc import Callable
 import pytest
 
 from llorch.engine.kv.blocks import BlockAllocator
+from llorch.engine.plan import StepPlan
 from llorch.engine.request import GenerationRequest, PreparedJob, StopReason
-from llorch.engine.scheduler import SCORED_ROWS_PER_STEP, GrammarRefused, Scheduler, StepPlan
+from llorch.engine.scheduler import SCORED_ROWS_PER_STEP, GrammarRefused, Scheduler
 from llorch.engine.sequence import Sequence, SequenceState
 
 BLOCK = 4

@@ -27,7 +27,13 @@ from llorch.api.connections import RequestLimit, guarded_protocol
 from llorch.api.cors import parse_origins
 from llorch.api.state import WorkerState
 from llorch.device import Backend, physical_cores, resolve_backend, verify_device
-from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES
+from llorch.engine.config import (
+    DEFAULT_CPU_KV_MB,
+    DEFAULT_CUDA_KV_FRACTION,
+    DEFAULT_SPECULATIVE_TOKENS,
+    DTYPES,
+    SPECULATIVE_MODES,
+)
 from llorch.engine.factory import build_engine
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
@@ -87,6 +93,12 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-tokens", type=positive_int, default=512,
                         help="prompt tokens read per step, shared by new jobs, so long prompts never "
                              "stall running streams (default 512)")
+    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default=None,
+                        help="speculative decoding: 'ngram' proposes tokens found in the job's own text and "
+                             "verifies them in one step, which never changes the output; default: ngram where "
+                             "the compute path is batch-invariant (the CPU worker), else off")
+    parser.add_argument("--speculative-tokens", type=positive_int, default=DEFAULT_SPECULATIVE_TOKENS,
+                        help=f"proposed tokens per row and step, at most (default {DEFAULT_SPECULATIVE_TOKENS})")
     parser.add_argument("--kv-cache-mb", type=positive_int, default=None,
                         help="memory of the paged KV cache pool, allocated at start-up (default: "
                              f"{DEFAULT_CPU_KV_MB} MB on the CPU, {DEFAULT_CUDA_KV_FRACTION:.0%} of the GPU "

@@ -13,6 +13,8 @@ import torch
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 DEFAULT_CPU_KV_MB = 512
 DEFAULT_CUDA_KV_FRACTION = 0.5
+SPECULATIVE_MODES = ("ngram", "off")
+DEFAULT_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class EngineConfig:
     max_prompt_tokens: int | None = None
     dequantize: bool = False  # hold GGUF weights dense in the compute dtype (the cpu worker's --dequantize)
     chat_template_file: str | None = None
+    # Proposals verified per decoding step: "ngram" (lookup in the job's own text) or "off". None: "ngram"
+    # where the compute path gives a row the same bits in any chunk (so speculation never changes a token).
+    speculative: str | None = None
+    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS  # proposals per row and step, at most
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -37,4 +43,5 @@ class EngineConfig:
                    kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb is not None else None,
                    prefix_caching=not args.no_prefix_cache, request_timeout=args.request_timeout,
                    max_prompt_tokens=args.max_prompt_tokens, dequantize=getattr(args, "dequantize", False),
-                   chat_template_file=args.chat_template_file)
+                   chat_template_file=args.chat_template_file, speculative=args.speculative,
+                   speculative_tokens=args.speculative_tokens)

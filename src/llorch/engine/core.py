@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,13 +25,15 @@ from torch import Tensor
 
 from llorch.engine.grammar import KIND_NAMES, engine_message, explained
 from llorch.engine.masks import GrammarMasks, PendingMasks
+from llorch.engine.plan import Chunk
 from llorch.engine.request import ErrorCode, StopReason
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.engine.sampler import Sampled, SamplerState, sample_batch
-from llorch.engine.scheduler import Chunk, GrammarRefused, Scheduler
+from llorch.engine.scheduler import GrammarRefused, Scheduler
 from llorch.engine.scoring import score_rows
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
+from llorch.engine.verify import verify
 
 log = logging.getLogger("llorch.engine")
 
@@ -108,8 +111,9 @@ class EngineCore:
         sampling, logits = self._run(plan.chunks, out)
         if sampling:
             self._sample(sampling, logits, masks, out)
-        if all(chunk.tokens == 1 for chunk in plan.chunks):
-            self.telemetry.time_per_output_token.observe(time.perf_counter() - started)
+        generated = sum(len(row.sampled) for row in out.rows)
+        if generated and all(chunk.tokens == 1 for chunk in plan.chunks):  # decoding rows only
+            self.telemetry.time_per_output_token.observe((time.perf_counter() - started) * len(out.rows) / generated)
         return out
 
     def _admitted(self, seq: Sequence, out: StepOutput) -> None:
@@ -141,7 +145,8 @@ class EngineCore:
         return sampling, torch.cat(rows) if rows else torch.empty(0)
 
     def _forward(self, chunks: list[Chunk], out: StepOutput) -> tuple[list[Sequence], Tensor]:
-        """Run the chunks; score the prompt rows that were asked for; finish jobs that only read their prompt."""
+        """Run the chunks; score the prompt rows that were asked for; finish jobs that only read their prompt.
+        The logits are each sampling sequence's rows in turn: its sampling row, then one per proposed token."""
         inputs, scored, sample_rows, row = [], [], [], 0
         sampling: list[Sequence] = []
         read_only = [c.seq for c in chunks if c.completes and c.seq.max_tokens == 0]
@@ -149,15 +154,18 @@ class EngineCore:
             seq, start = c.seq, c.seq.blocks.computed
             rows = seq.scored_rows(start, c.tokens)
             samples = c.completes and seq.max_tokens > 0
-            inputs.append(ChunkInput(seq.token_ids[start : start + c.tokens], start, seq.blocks.blocks, samples,
-                                    range(rows.start - start, rows.stop - start)))
+            ids = seq.token_ids[start : start + c.tokens]
+            if c.draft:
+                ids += c.draft
+            offsets = range(rows.start - start, rows.stop - start)
+            inputs.append(ChunkInput(ids, start, seq.blocks.blocks, samples, offsets, len(c.draft)))
             if rows:
                 scored.append((seq, rows, row))
                 row += len(rows)
             if samples:
                 sampling.append(seq)
-                sample_rows.append(row)
-                row += 1
+                sample_rows.extend(range(row, row + 1 + len(c.draft)))
+                row += 1 + len(c.draft)
         logits = self.runner.forward(inputs)
         for chunk in chunks:
             self.scheduler.computed(chunk)
@@ -170,8 +178,8 @@ class EngineCore:
         if len(sample_rows) != row:  # keep only the sampling rows
             logits = logits[sample_rows]
         live = [i for i, seq in enumerate(sampling) if seq.state is not SequenceState.FINISHED]
-        if len(live) != len(sampling):
-            sampling, logits = [sampling[i] for i in live], logits[live]
+        if len(live) != len(sampling):  # a finished sequence has no proposals left: one row each
+            sampling, logits = [sampling[i] for i in live], logits[_rows_of(sampling, live)]
         return sampling, logits
 
     def _score(self, seq: Sequence, rows: range, logits: Tensor, out: StepOutput) -> None:
@@ -187,10 +195,10 @@ class EngineCore:
         out.scores.append((seq, rows.start + 1, scores))
 
     def _sample(self, sampling: list[Sequence], logits: Tensor, masks: PendingMasks, out: StepOutput) -> None:
-        """Every sampling row's token in one go, then the scheduler accepts each."""
+        """Every sampling row's tokens (a row with proposals verifies them), then the scheduler accepts each."""
         try:
             with torch.inference_mode():  # the logits are inference tensors; masks write them in place
-                masks.apply(sampling, logits)
+                masks.apply(sampling, logits, _rows_of(sampling, range(len(sampling)), first_only=True))
         except Exception as exc:  # only the constrained rows lose: sampled unmasked they would break their grammar
             log.exception("grammar masks failed")
             keep = [i for i, seq in enumerate(sampling) if seq.matcher is None]
@@ -199,25 +207,56 @@ class EngineCore:
                     self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
             if not keep:
                 return
-            sampling, logits = [sampling[i] for i in keep], logits[keep]
-        states = [seq.sampler for seq in sampling]
-        assert all(state is not None for state in states)
-        try:
-            tokens = sample_batch(logits, states, [seq.request.logprobs for seq in sampling])  # type: ignore[arg-type]
-        except Exception:  # find the row that fails, so only its job ends
-            tokens = [self._sample_alone(seq, logits[i : i + 1], out) for i, seq in enumerate(sampling)]
-        for seq, sampled in zip(sampling, tokens, strict=True):
-            if sampled is None:
+            sampling, logits = [sampling[i] for i in keep], logits[_rows_of(sampling, keep)]
+        if any(seq.draft for seq in sampling):
+            tokens = self._verify_rows(sampling, logits, out)
+        else:
+            tokens = [None if s is None else [s] for s in self._sample_rows(sampling, logits, out)]
+        for seq, kept in zip(sampling, tokens, strict=True):
+            if kept is None:
                 continue
+            proposed = len(seq.draft)
             try:
-                accepted = self.scheduler.accept(seq, [sampled.token_id])
+                accepted = self.scheduler.accept(seq, [s.token_id for s in kept])
             except GrammarRefused as exc:
                 self._fail(seq, ErrorCode.INFERENCE_FAILED, self._refusal(seq, exc), out)
                 continue
-            if accepted.reason is None:
-                for token_id in accepted.tokens:
+            if accepted.reason is None:  # verification recorded the kept proposals already
+                for token_id in accepted.tokens[len(kept) - 1 :]:
                     seq.sampler.accept(token_id)  # type: ignore[union-attr]
-            out.rows.append(RowOutput(seq, [sampled], accepted.tokens, accepted.reason))
+            if proposed:
+                self.telemetry.proposed_tokens.inc(proposed)
+                self.telemetry.accepted_proposals.inc(len(kept) - 1)
+            out.rows.append(RowOutput(seq, kept, accepted.tokens, accepted.reason))
+
+    def _sample_rows(self, sampling: list[Sequence], logits: Tensor, out: StepOutput) -> list[Sampled | None]:
+        """One token per row (row i is sampling[i]'s), in one go; when that fails, row by row."""
+        states = [seq.sampler for seq in sampling]
+        assert all(state is not None for state in states)
+        try:
+            return sample_batch(logits, states, [seq.request.logprobs for seq in sampling])  # type: ignore[arg-type]
+        except Exception:  # find the row that fails, so only its job ends
+            return [self._sample_alone(seq, logits[i : i + 1], out) for i, seq in enumerate(sampling)]
+
+    def _verify_rows(self, sampling: list[Sequence], logits: Tensor, out: StepOutput) -> list[list[Sampled] | None]:
+        """Rows without proposals are sampled together; each row with proposals verifies them."""
+        firsts = _rows_of(sampling, range(len(sampling)), first_only=True)
+        plain = [i for i, seq in enumerate(sampling) if not seq.draft]
+        tokens: list[list[Sampled] | None] = [None] * len(sampling)
+        if plain:
+            sampled = self._sample_rows([sampling[i] for i in plain], logits[[firsts[i] for i in plain]], out)
+            for i, s in zip(plain, sampled, strict=True):
+                tokens[i] = None if s is None else [s]
+        for i, seq in enumerate(sampling):
+            if not seq.draft:
+                continue
+            try:
+                tokens[i] = verify(logits[firsts[i] : firsts[i] + 1 + len(seq.draft)], seq.draft, seq.sampler,  # type: ignore[arg-type]
+                                   seq.request.logprobs)
+            except Exception as exc:
+                log.exception("verification failed", extra={"job_id": seq.job_id})
+                self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
+        return tokens
 
     @staticmethod
     def _refusal(seq: Sequence, exc: GrammarRefused) -> str:
@@ -243,3 +282,15 @@ class EngineCore:
     def _fail(self, seq: Sequence, code: ErrorCode, message: str, out: StepOutput) -> None:
         self.scheduler.finish(seq)
         out.failed.append((seq, code, message))
+
+
+def _rows_of(sampling: list[Sequence], keep: Iterable[int], first_only: bool = False) -> list[int]:
+    """The logits rows of sampling[i] for each i in `keep` (all its rows, or its sampling row only), where
+    each sequence has one row plus one per proposed token, in turn."""
+    firsts, at = [], 0
+    for seq in sampling:
+        firsts.append(at)
+        at += 1 + len(seq.draft)
+    if first_only:
+        return [firsts[i] for i in keep]
+    return [row for i in keep for row in range(firsts[i], firsts[i] + 1 + len(sampling[i].draft))]

@@ -122,6 +122,18 @@ def prove_finite_logits(loaded: LoadedModel, device: torch.device) -> None:
                        "a norm epsilon, the compute dtype) overflow; it cannot be served")
 
 
+def speculation_mode(config: EngineConfig, loaded: LoadedModel) -> str:
+    """Speculative decoding is on by default where a row's logits have the same bits however its
+    tokens are stepped (the C step): only there can verification never change a token."""
+    invariant = loaded.model.native is not None
+    if config.speculative is None:
+        return "ngram" if invariant else "off"
+    if config.speculative != "off" and not invariant:
+        log.warning("speculative decoding on a compute path that is not batch-invariant: a verified token "
+                    "can differ from step-by-step decoding where two logits tie within float rounding")
+    return config.speculative
+
+
 def build_engine(config: EngineConfig, device: torch.device | None = None, *, loaded: LoadedModel | None = None,
                  telemetry: Telemetry | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Engine:
@@ -138,7 +150,9 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
         source = "--ctx-size" if config.ctx_size else "the model's context_length"
         raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
     runner = ModelRunner(loaded.model, device, loaded.dtype, kv_pool_bytes(config, loaded, device, ctx_size))
-    engine = Engine(runner, loaded.tokenizer, replace(config, ctx_size=ctx_size), model_name=loaded.name,
+    speculative = speculation_mode(config, loaded)
+    engine = Engine(runner, loaded.tokenizer, replace(config, ctx_size=ctx_size, speculative=speculative),
+                    model_name=loaded.name,
                     model_id=loaded.model_id, chat_template=load_chat_template(config.chat_template_file, loaded),
                     telemetry=telemetry, model_path=loaded.path)
     dtype_name = str(loaded.dtype).removeprefix("torch.")
@@ -147,5 +161,6 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(device),
                                     "dtype": dtype_name, "threads": torch.get_num_threads(),
                                     "weights": "gguf blocks" if loaded.quantized else "dense",
-                                    "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes})
+                                    "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes,
+                                    "speculative": speculative, "speculative_tokens": config.speculative_tokens})
     return engine

@@ -41,12 +41,12 @@ class PendingMasks:
         self._rows = rows
         self._bitmask = bitmask
 
-    def apply(self, sampling: Rows[Sequence], logits: Tensor) -> None:
-        """Set each constrained row of `logits` (row i is sampling[i]'s) to -inf outside its grammar."""
+    def apply(self, sampling: Rows[Sequence], logits: Tensor, rows: Rows[int]) -> None:
+        """Set each constrained row of `logits` (row rows[i] is sampling[i]'s) to -inf outside its grammar."""
         if self._bitmask is None:
             return
         bitmask = self._bitmask.result()
-        pairs = [(i, self._rows[seq.job_id]) for i, seq in enumerate(sampling) if seq.job_id in self._rows]
+        pairs = [(rows[i], self._rows[seq.job_id]) for i, seq in enumerate(sampling) if seq.job_id in self._rows]
         if pairs:
             mask_rows(logits, [i for i, _ in pairs], bitmask[[row for _, row in pairs]])
 

@@ -72,6 +72,7 @@ class JobOutput:
         self.stop = StopMatcher(stop)
         self.events_sent = 0  # token events, numbering the next one
         self.sampled = 0  # tokens drawn for the job (an end-of-generation token included)
+        self.tokens_out = 0  # generated tokens up to the end (a stop string's last token included)
         self.decode_started = 0.0
         self.last_metrics = 0.0
 
@@ -117,17 +118,19 @@ class OutputProcessor:
         """One step's tokens of a job: what was drawn (their log-probabilities) and what the scheduler
         appended (their text). True when a stop string is matched: the job ends there."""
         out = self._job(seq)
-        for draw in sampled:
+        # Token by token (a step may bring several): nothing after a stop string is reported.
+        for position, draw in enumerate(sampled):
             self.telemetry.generated_tokens.inc()
             if out.sampled == 0:
                 self.telemetry.time_to_first_token.observe(time.perf_counter() - seq.accepted_at)
             out.sampled += 1
             if draw.logprob is not None:
                 self._emit(seq, self._logprob(draw.token_id, draw.logprob, draw.top))
-        for token_id in accepted:
-            self._text(seq, out.stop.feed(out.detokenizer.add(token_id)))
-            if out.stop.matched is not None:
-                return True
+            if position < len(accepted):
+                out.tokens_out += 1
+                self._text(seq, out.stop.feed(out.detokenizer.add(accepted[position])))
+                if out.stop.matched is not None:
+                    return True
         if seq.state is not SequenceState.FINISHED and time.perf_counter() - out.last_metrics >= METRICS_INTERVAL_S:
             self._metrics(seq)
         return False
@@ -143,11 +146,14 @@ class OutputProcessor:
                 reason = StopReason.STOP_SEQUENCE
             self._metrics(seq)
         elapsed_ms = (time.perf_counter() - out.decode_started) * 1000 if out.decode_started else 0.0
-        end = End(len(seq.output_ids), round(elapsed_ms, 3), reason, out.stop.matched)
+        end = End(out.tokens_out, round(elapsed_ms, 3), reason, out.stop.matched)
         self.telemetry.requests.labels(outcome=reason.value.lower()).inc()
         self._close(seq, end)
-        log.info("job finished", extra={"job_id": seq.job_id, "stop_reason": reason.value,
-                                        "tokens_out": end.tokens_out, "decode_time_ms": end.decode_time_ms})
+        extra = {"job_id": seq.job_id, "stop_reason": reason.value, "tokens_out": end.tokens_out,
+                 "decode_time_ms": end.decode_time_ms}
+        if seq.speculation is not None and seq.speculation.proposed:
+            extra.update(proposed_tokens=seq.speculation.proposed, accepted_proposals=seq.speculation.accepted)
+        log.info("job finished", extra=extra)
 
     def fail(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         self.telemetry.requests.labels(outcome=f"error_{code.value.lower()}").inc()

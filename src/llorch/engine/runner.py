@@ -31,6 +31,8 @@ class ChunkInput:
     wants_logits: bool  # the chunk ends the known tokens, so the next token is sampled from it
     # Offsets (within token_ids) of rows whose logits score prompt tokens; they come before the sampling row.
     scored: range = range(0)
+    # The last `verified` of token_ids are proposed tokens: the rows of each, after the sampling row, are wanted too.
+    verified: int = 0
 
 
 class ModelRunner:
@@ -51,7 +53,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkInput]) -> Tensor:
         """Logits [R, vocab] of the wanted rows after one batched forward: per chunk, in order, its scored
-        rows and then its sampling row.
+        rows, its sampling row and the rows of its proposed tokens.
 
         Single-token chunks should come first and together: they share one attention call.
         """
@@ -64,6 +66,6 @@ class ModelRunner:
             logit_rows.extend(row + offset for offset in chunk.scored)
             row += len(chunk.token_ids)
             if chunk.wants_logits:
-                logit_rows.append(row - 1)
+                logit_rows.extend(range(row - 1 - chunk.verified, row))
         batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=self.kv.pad_slot)
         return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv.layers)

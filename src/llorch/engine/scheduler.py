@@ -17,6 +17,10 @@ a step accepts (none, one or several per row), the ends that follow from them (a
 end-of-generation token, max_tokens, the grammar's end), prompt-scoring progress and
 finishing. The engine core only asks it and reports what the model produced.
 
+A decoding row may also feed tokens proposed for it (speculative.py) after its last one,
+with blocks to spare (a proposal never preempts). Of their cache entries, only those of
+proposals kept count as computed (later tokens overwrite the others).
+
 A job that scores its prompt needs the logits of every prompt row, not just the last:
 its chunks are capped so that a step never asks for more than SCORED_ROWS_PER_STEP
 such rows (the [rows x vocabulary] logits of a whole long prompt never exist at once),
@@ -29,42 +33,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from llorch.engine.kv.blocks import BlockAllocator
+from llorch.engine.plan import Accepted, Chunk, StepPlan
 from llorch.engine.request import StopReason
 from llorch.engine.sequence import Sequence, SequenceState
+from llorch.engine.speculative import NgramSpeculation, RowSpeculation
 
 # Rows of prompt-scoring logits one step may produce: 64 rows of a 262k vocabulary are 64 MiB of float32.
 SCORED_ROWS_PER_STEP = 64
-
-
-@dataclass
-class Chunk:
-    seq: Sequence
-    tokens: int  # how many of the sequence's pending tokens this step feeds
-
-    @property
-    def completes(self) -> bool:
-        """After this chunk every known token is cached: the next token is sampled from it."""
-        return self.tokens == self.seq.pending
-
-
-@dataclass
-class StepPlan:
-    chunks: list[Chunk] = field(default_factory=list)  # single tokens first, then prompt chunks
-    admitted: list[Sequence] = field(default_factory=list)  # running for the first time
-    resumed: list[Sequence] = field(default_factory=list)  # running again after a preemption
-    preempted: list[Sequence] = field(default_factory=list)
-    prefix_hit_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Accepted:
-    """What a row's tokens of one step became."""
-
-    tokens: list[int]  # appended to the sequence, in order (an end-of-generation token never is)
-    reason: StopReason | None  # the sequence ended with them (None: it goes on)
 
 
 class GrammarRefused(RuntimeError):
@@ -73,8 +50,9 @@ class GrammarRefused(RuntimeError):
 
 class Scheduler:
     def __init__(self, blocks: BlockAllocator, max_running: int, max_batch_tokens: int,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), speculation: NgramSpeculation | None = None) -> None:
         self.blocks = blocks
+        self.speculation = speculation
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -106,6 +84,7 @@ class Scheduler:
         seq.state = SequenceState.FINISHED
         seq.sampler = None
         seq.matcher = None
+        seq.draft = []
 
     def accept(self, seq: Sequence, token_ids: Iterable[int]) -> Accepted:
         """Append a row's tokens of this step, in order, up to the first that ends the sequence.
@@ -131,7 +110,25 @@ class Scheduler:
                     break
         if reason is not None:
             self.finish(seq)
+        elif seq.draft:
+            self._verified(seq, appended)
         return Accepted(appended, reason)
+
+    def _verified(self, seq: Sequence, appended: list[int]) -> None:
+        """The proposals kept (the leading tokens equal to them) are computed; spare blocks go back."""
+        kept = 0
+        for token, proposed in zip(appended, seq.draft, strict=False):  # a row may end before its proposals do
+            if token != proposed:
+                break
+            kept += 1
+        if self.speculation is not None and seq.speculation is not None:
+            self.speculation.verified(seq.speculation, len(seq.draft), kept)
+        seq.draft, table = [], seq.blocks
+        table.computed += kept
+        self._register(seq)
+        spare = table.blocks[self.blocks.blocks_for(seq.length) :]
+        del table.blocks[len(table.blocks) - len(spare) :]
+        self.blocks.release(spare)
 
     def scored(self, seq: Sequence, upto: int) -> None:
         """Prompt tokens before `upto` have their log-probabilities."""
@@ -161,8 +158,35 @@ class Scheduler:
                 budget -= tokens
         if not plan.preempted:  # a pool tight enough to preempt admits nobody this step
             budget = self._admit(plan, prompts, budget)
+        self._propose(singles, budget)
         plan.chunks = singles + prompts
         return plan
+
+    def _propose(self, singles: list[Chunk], budget: int) -> None:
+        """Proposed tokens for decoding rows, from what the step's token budget leaves."""
+        speculation = self.speculation
+        for chunk in singles:
+            seq, seq.draft = chunk.seq, []
+            if speculation is None or len(singles) > speculation.max_rows or not chunk.completes:
+                continue
+            if seq.matcher is not None or seq.scoring:  # a grammar's masks and prompt scores are per row
+                continue
+            seq.speculation = seq.speculation or RowSpeculation()
+            limit = min(budget, seq.max_tokens - len(seq.output_ids) - 1)
+            draft = speculation.propose(seq.speculation, seq.token_ids, limit)
+            seq.draft = draft[: self._room(seq, len(draft))]
+            budget -= len(seq.draft)
+
+    def _room(self, seq: Sequence, wanted: int) -> int:
+        """How many proposed tokens fit in `seq`'s blocks after its last token, taking free blocks
+        for up to `wanted` of them (never preempting)."""
+        size = self.blocks.block_size
+        end = seq.blocks.computed + 1 + wanted
+        while len(seq.blocks.blocks) < self.blocks.blocks_for(end) and self.blocks.free_blocks:
+            block = self.blocks.allocate()
+            assert block is not None
+            seq.blocks.blocks.append(block)
+        return max(0, min(wanted, len(seq.blocks.blocks) * size - seq.blocks.computed - 1))
 
     def _admit(self, plan: StepPlan, prompts: list[Chunk], budget: int) -> int:
         size = self.blocks.block_size
@@ -233,12 +257,16 @@ class Scheduler:
         self.blocks.release(seq.blocks.clear())
 
     def computed(self, chunk: Chunk) -> None:
-        """The chunk's tokens are in the KV cache now: offer newly completed blocks to the prefix cache."""
-        table = chunk.seq.blocks
-        table.computed += chunk.tokens
+        """The chunk's known tokens are in the KV cache now (its proposals count once kept)."""
+        chunk.seq.blocks.computed += chunk.tokens
+        self._register(chunk.seq)
+
+    def _register(self, seq: Sequence) -> None:
+        """Offer newly completed blocks of computed, known tokens to the prefix cache."""
+        table = seq.blocks
         full = table.computed // self.blocks.block_size
         if full > table.registered:
-            hashes = chunk.seq.block_hashes()
+            hashes = seq.block_hashes()
             for i in range(table.registered, full):
                 self.blocks.register(table.blocks[i], hashes[i])
             table.registered = full

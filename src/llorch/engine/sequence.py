@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
     from llorch.engine.sampler import SamplerState
+    from llorch.engine.speculative import RowSpeculation
 
 
 class SequenceState(Enum):
@@ -42,6 +43,8 @@ class Sequence:
         self.admitted_at = 0.0  # when it was first admitted (0: never); its decode clock starts there
         self.blocks = BlockTable(block_size)  # tokens [0, blocks.computed) are in the KV cache
         self.prefix = PrefixHashes(block_size)
+        self.draft: list[int] = []  # tokens proposed after the last one, verified by the step being run
+        self.speculation: RowSpeculation | None = None  # its proposal state, from its first proposal
         self.accepted_at = time.perf_counter()
         # Prompt scoring (request.prompt_logprobs): the next prompt position whose log-probability is owed.
         # Position 0 has none; scoring is done when this reaches the prompt's length.

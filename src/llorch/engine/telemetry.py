@@ -37,5 +37,9 @@ class Telemetry:
             "llorch_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache", registry=r)
         self.preemptions = Counter(
             "llorch_preemptions", "Jobs sent back to the queue because the KV pool was full", registry=r)
+        self.proposed_tokens = Counter(
+            "llorch_speculative_proposed_tokens", "Tokens proposed to decoding rows for verification", registry=r)
+        self.accepted_proposals = Counter(
+            "llorch_speculative_accepted_tokens", "Proposed tokens verification kept", registry=r)
         self.weights_bytes = Gauge("llorch_weights_bytes", "Bytes of model weights on the device", registry=r)
         self.model = Info("llorch_model", "The served model and device", registry=r)

@@ -1,0 +1,41 @@
+"""What one engine step computes, as the scheduler plans it and accepts its results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llorch.engine.request import StopReason
+from llorch.engine.sequence import Sequence
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    tokens: int  # how many of the sequence's pending tokens this step feeds
+
+    @property
+    def completes(self) -> bool:
+        """After this chunk every known token is cached: the next token is sampled from it."""
+        return self.tokens == self.seq.pending
+
+    @property
+    def draft(self) -> list[int]:
+        """Proposed tokens fed after the known ones, for this step to verify."""
+        return self.seq.draft if self.completes else []
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk] = field(default_factory=list)  # single tokens first, then prompt chunks
+    admitted: list[Sequence] = field(default_factory=list)  # running for the first time
+    resumed: list[Sequence] = field(default_factory=list)  # running again after a preemption
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What a row's tokens of one step became."""
+
+    tokens: list[int]  # appended to the sequence, in order (an end-of-generation token never is)
+    reason: StopReason | None  # the sequence ended with them (None: it goes on)
