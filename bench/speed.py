@@ -3,6 +3,7 @@
     make bench                      # = python bench/speed.py
     python bench/speed.py [--threads N] [--reps 3] [--models default,1b,3b] [--clients 1,8,16,32]
                           [--skip-transformers] [--skip-llama] [--skip-concurrency] [--skip-fidelity]
+                          [--skip-dequantize] [--skip-speculative]
 
 For each model (the embedded default model, and Llamas of 1.1 and 3 billion parameters in
 Q4_K_M built on this machine, see models.py), on the same file, prompt token ids and
@@ -45,6 +46,7 @@ import concurrency
 import fidelity
 import llama_build
 import models
+import speculative
 from launch import free_port, start_server, stop
 from llorch.device import cpuinfo, physical_cores
 from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
@@ -279,6 +281,10 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
                 env=llama_build.library_environment()), into="concurrency")
     if not args.skip_fidelity:
         attempt(section, "kl", lambda: fidelity.measure(model, args.threads, llama_cpp), into="fidelity")
+    if not args.skip_speculative and label == "default":  # a real model: random weights accept no proposal
+        options = argparse.Namespace(**{**vars(args), "clients": [c for c in args.clients if c in (8, 16)] or [8],
+                                        "skip_llama": llama_cpp is None})
+        section["speculative"] = {"file": model.name, **speculative.bench(options, model)}
     return section
 
 
@@ -360,6 +366,8 @@ def report(results: dict[str, Any]) -> list[str]:
                      for name, f in kl.items() if isinstance(f, dict)]
             lines += ["", f"fidelity against the file computed exactly in float32, {kl['tokens']} tokens of English "
                       "text: " + "; ".join(parts)]
+        if "speculative" in section:
+            lines += speculative.report(section["speculative"])
         lines += ["", *roofline(results, section)]
         lines += ["", *goals(section)]
     return lines
@@ -465,7 +473,7 @@ def main() -> None:
     parser.add_argument("--clients", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 16, 32])
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per job in the concurrency levels")
     parser.add_argument("--jobs-per-client", type=int, default=2)
-    for skipped in ("transformers", "llama", "concurrency", "fidelity", "dequantize"):
+    for skipped in ("transformers", "llama", "concurrency", "fidelity", "dequantize", "speculative"):
         parser.add_argument(f"--skip-{skipped}", action="store_true")
     args = parser.parse_args()
     args.threads = args.threads or physical_cores()

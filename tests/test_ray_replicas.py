@@ -35,7 +35,9 @@ from tiny_model import write_tiny_gemma3
 
 pytestmark = pytest.mark.cpu
 
-REPLICA_FLAGS = ("--max-running", "4", "--max-queue", "2", "--log-format", "text")
+# Speculation off: cancellations here race jobs of a known length, and speculation would finish
+# a random model's looping greedy text many times faster.
+REPLICA_FLAGS = ("--max-running", "4", "--max-queue", "2", "--log-format", "text", "--speculative", "off")
 SHARED_PREFIX = "the a of to in er is and ing " * 24  # 696 characters: 10 of the router's blocks
 MODEL = "tiny"
 

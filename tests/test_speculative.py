@@ -273,3 +273,24 @@ def test_the_flags_choose_the_mode_and_a_path_without_batch_invariance_defaults_
         parser.parse_args(["--speculative", "draft"])
     dense = make_engine(ours, start=False)  # float32 weights run by torch: not batch-invariant
     assert dense.config.speculative == "off" and dense.scheduler.speculation is None
+
+
+def test_a_constrained_job_speculates_within_its_grammar_and_keeps_its_tokens(engines: Any) -> None:
+    """Proposals the grammar forbids are cut before the step; each proposal row is masked by the
+    grammar after the proposals before it; the JSON is the one decoding token by token gives."""
+    import json
+
+    from llorch.engine.request import Constraint
+
+    off, on = engines
+    schema = {"type": "array", "minItems": 4, "items": {"type": "object", "required": ["name", "city", "age"],
+              "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+              "additionalProperties": False}}
+    constraint = Constraint("json_schema", json.dumps(schema), "json_schema")
+    prompt = 'People as JSON: [{"name": "Ann", "city": "Oslo", "age": 31}, {"name": "Bo", "city": "Rome", "age": 7}]\n'
+    before = counters(on)
+    alone = outcome(submit(off, "j-off", prompt, 120, constraint=constraint))
+    speculated = outcome(submit(on, "j-on", prompt, 120, constraint=constraint))
+    assert speculated == alone
+    assert counters(on)[1] > before[1]  # proposals were kept
+    assert len(json.loads(alone[0])) >= 4

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from llorch.engine.grammar import KIND_NAMES, engine_message, explained
-from llorch.engine.masks import GrammarMasks, PendingMasks
-from llorch.engine.plan import Chunk
+from llorch.engine.masks import GrammarMasks, PendingMasks, mask_proposals
+from llorch.engine.plan import Chunk, logit_rows
 from llorch.engine.request import ErrorCode, StopReason
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.engine.sampler import Sampled, SamplerState, sample_batch
@@ -179,7 +178,7 @@ class EngineCore:
             logits = logits[sample_rows]
         live = [i for i, seq in enumerate(sampling) if seq.state is not SequenceState.FINISHED]
         if len(live) != len(sampling):  # a finished sequence has no proposals left: one row each
-            sampling, logits = [sampling[i] for i in live], logits[_rows_of(sampling, live)]
+            sampling, logits = [sampling[i] for i in live], logits[logit_rows(sampling, live)]
         return sampling, logits
 
     def _score(self, seq: Sequence, rows: range, logits: Tensor, out: StepOutput) -> None:
@@ -198,7 +197,7 @@ class EngineCore:
         """Every sampling row's tokens (a row with proposals verifies them), then the scheduler accepts each."""
         try:
             with torch.inference_mode():  # the logits are inference tensors; masks write them in place
-                masks.apply(sampling, logits, _rows_of(sampling, range(len(sampling)), first_only=True))
+                masks.apply(sampling, logits, logit_rows(sampling, range(len(sampling)), first_only=True))
         except Exception as exc:  # only the constrained rows lose: sampled unmasked they would break their grammar
             log.exception("grammar masks failed")
             keep = [i for i, seq in enumerate(sampling) if seq.matcher is None]
@@ -207,7 +206,7 @@ class EngineCore:
                     self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
             if not keep:
                 return
-            sampling, logits = [sampling[i] for i in keep], logits[_rows_of(sampling, keep)]
+            sampling, logits = [sampling[i] for i in keep], logits[logit_rows(sampling, keep)]
         if any(seq.draft for seq in sampling):
             tokens = self._verify_rows(sampling, logits, out)
         else:
@@ -240,7 +239,7 @@ class EngineCore:
 
     def _verify_rows(self, sampling: list[Sequence], logits: Tensor, out: StepOutput) -> list[list[Sampled] | None]:
         """Rows without proposals are sampled together; each row with proposals verifies them."""
-        firsts = _rows_of(sampling, range(len(sampling)), first_only=True)
+        firsts = logit_rows(sampling, range(len(sampling)), first_only=True)
         plain = [i for i, seq in enumerate(sampling) if not seq.draft]
         tokens: list[list[Sampled] | None] = [None] * len(sampling)
         if plain:
@@ -251,6 +250,10 @@ class EngineCore:
             if not seq.draft:
                 continue
             try:
+                if seq.matcher is not None:  # each proposal row masked by the grammar after the ones before
+                    with torch.inference_mode():
+                        mask_proposals(seq.matcher, seq.draft, logits[firsts[i] + 1 : firsts[i] + 1 + len(seq.draft)],
+                                       self.masks.words)
                 tokens[i] = verify(logits[firsts[i] : firsts[i] + 1 + len(seq.draft)], seq.draft, seq.sampler,  # type: ignore[arg-type]
                                    seq.request.logprobs)
             except Exception as exc:
@@ -283,14 +286,3 @@ class EngineCore:
         self.scheduler.finish(seq)
         out.failed.append((seq, code, message))
 
-
-def _rows_of(sampling: list[Sequence], keep: Iterable[int], first_only: bool = False) -> list[int]:
-    """The logits rows of sampling[i] for each i in `keep` (all its rows, or its sampling row only), where
-    each sequence has one row plus one per proposed token, in turn."""
-    firsts, at = [], 0
-    for seq in sampling:
-        firsts.append(at)
-        at += 1 + len(seq.draft)
-    if first_only:
-        return [firsts[i] for i in keep]
-    return [row for i in keep for row in range(firsts[i], firsts[i] + 1 + len(sampling[i].draft))]

@@ -54,6 +54,27 @@ class PendingMasks:
 NO_MASKS = PendingMasks({}, None)
 
 
+def mask_proposals(matcher: LLMatcher, draft: list[int], logits: Tensor, words: int) -> None:
+    """Mask the rows after a constrained row's proposals (logits[j] follows draft[j]) by its grammar
+    in the state after the proposals up to j: each is consumed in turn and all are rolled back after.
+
+    The proposals were checked against the grammar when they were made; should one still be
+    refused, the rows from there stay unmasked, and are never read: its own row forbids it.
+    """
+    bitmask = torch.empty(len(draft), words, dtype=torch.int32)
+    consumed = 0
+    try:
+        for token in draft:
+            if not matcher.consume_token(token):
+                break
+            fill_mask(matcher, bitmask[consumed])
+            consumed += 1
+    finally:
+        matcher.rollback(consumed)
+    if consumed:
+        mask_rows(logits, list(range(consumed)), bitmask[:consumed])
+
+
 class GrammarMasks:
     def __init__(self, vocab_size: int) -> None:
         self.words = (vocab_size + 31) // 32  # one bit per token id, 32 to an int32

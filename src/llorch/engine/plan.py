@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llorch.engine.request import StopReason
@@ -39,3 +40,15 @@ class Accepted:
 
     tokens: list[int]  # appended to the sequence, in order (an end-of-generation token never is)
     reason: StopReason | None  # the sequence ended with them (None: it goes on)
+
+
+def logit_rows(sampling: list[Sequence], keep: Iterable[int], first_only: bool = False) -> list[int]:
+    """The logits rows of sampling[i] for each i in `keep` (all its rows, or its sampling row only), where
+    each sequence has one row plus one per proposed token, in turn."""
+    firsts, at = [], 0
+    for seq in sampling:
+        firsts.append(at)
+        at += 1 + len(seq.draft)
+    if first_only:
+        return [firsts[i] for i in keep]
+    return [row for i in keep for row in range(firsts[i], firsts[i] + 1 + len(sampling[i].draft))]

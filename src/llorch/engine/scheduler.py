@@ -169,11 +169,13 @@ class Scheduler:
             seq, seq.draft = chunk.seq, []
             if speculation is None or len(singles) > speculation.max_rows or not chunk.completes:
                 continue
-            if seq.matcher is not None or seq.scoring:  # a grammar's masks and prompt scores are per row
+            if seq.scoring:  # its rows' logits score the prompt
                 continue
             seq.speculation = seq.speculation or RowSpeculation()
             limit = min(budget, seq.max_tokens - len(seq.output_ids) - 1)
             draft = speculation.propose(seq.speculation, seq.token_ids, limit)
+            if draft and seq.matcher is not None:  # a proposal the grammar refuses ends them
+                draft = draft[: seq.matcher.validate_tokens(draft)]
             seq.draft = draft[: self._room(seq, len(draft))]
             budget -= len(seq.draft)
 
