@@ -18,9 +18,7 @@ without speculation are compared (they must be identical). Then the aggregate to
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +28,7 @@ import httpx
 
 import concurrency
 import llama_build
+import streams
 from launch import free_port, start_server, stop
 from llorch.device import physical_cores
 from llorch.weights.default_model import default_model_path
@@ -52,35 +51,11 @@ LLAMA_MODES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache"
 
 
 def llorch_stream(url: str, prompt: str) -> tuple[list[float], str]:
-    body = {"job_id": f"spec-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    arrivals, text = [time.perf_counter()], []
-    with httpx.stream("POST", f"{url}/execute", json=body, headers={"accept": "application/x-ndjson"},
-                      timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            event = json.loads(line)
-            if event["type"] == "token":
-                arrivals.append(time.perf_counter())
-                text.append(event["t"])
-            elif event["type"] == "end":  # several tokens may arrive in one event: each counts at its arrival
-                arrivals.extend([arrivals[-1]] * (event["tokens_out"] - (len(arrivals) - 1)))
-            elif event["type"] == "error":
-                raise RuntimeError(event["message"])
-    return arrivals, "".join(text)
+    return streams.llorch(url, prompt, MAX_TOKENS)
 
 
 def llama_stream(url: str, prompt: str) -> tuple[list[float], str]:
-    body = {"prompt": prompt, "n_predict": MAX_TOKENS, "temperature": 0, "stream": True, "cache_prompt": False,
-            "return_tokens": True}
-    arrivals, text = [time.perf_counter()], []
-    with httpx.stream("POST", f"{url}/completion", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                event, now = json.loads(line[6:]), time.perf_counter()
-                arrivals.extend([now] * len(event.get("tokens") or []))
-                text.append(event.get("content", ""))
-    return arrivals, "".join(text)
+    return streams.llama_server(url, prompt, MAX_TOKENS)
 
 
 def decode_rate(arrivals: list[float]) -> float:

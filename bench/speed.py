@@ -47,6 +47,7 @@ import fidelity
 import llama_build
 import models
 import speculative
+import streams
 from launch import free_port, start_server, stop
 from llorch.device import cpuinfo, physical_cores
 from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
@@ -139,41 +140,11 @@ def bench_transformers(model: Path, ids: list[int]) -> dict[str, float]:
 
 # -- servers over HTTP -------------------------------------------------------------------------------
 def stream_llorch(base_url: str, prompt: str) -> list[float]:
-    """Arrival times of each generated token of one greedy job (its own connection): a token event's
-    time for each token it carries (a piece held back for an unfinished character arrives with the next)."""
-    body = {"job_id": f"speed-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": DECODE_TOKENS,
-            "temperature": 0}
-    arrivals = [time.perf_counter()]
-    with httpx.stream("POST", f"{base_url}/execute", json=body, headers={"accept": "application/x-ndjson"},
-                      timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            event = json.loads(line)
-            if event["type"] == "token":
-                arrivals.append(time.perf_counter())
-            elif event["type"] == "end":  # tokens that carried no text of their own count at the last arrival
-                arrivals.extend([arrivals[-1]] * (event["tokens_out"] - (len(arrivals) - 1)))
-            elif event["type"] == "error":
-                raise RuntimeError(event["message"])
-    return arrivals
+    return streams.llorch(base_url, prompt, DECODE_TOKENS)[0]
 
 
 def stream_llama_server(base_url: str, prompt: str) -> list[float]:
-    """As stream_llorch: one arrival per generated token. llama-server sends a chunk per token, but one
-    whose text is not complete yet has empty content (most of a random model's), so tokens are counted
-    from `return_tokens`, not from content."""
-    body = {"prompt": prompt, "n_predict": DECODE_TOKENS, "temperature": 0, "stream": True, "cache_prompt": False,
-            "ignore_eos": True, "return_tokens": True}
-    arrivals = [time.perf_counter()]
-    # A connection of its own: llama-server closes idle kept-alive connections, so a second
-    # request on a kept-alive connection can find it gone ("Server disconnected").
-    with httpx.stream("POST", f"{base_url}/completion", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                now = time.perf_counter()
-                arrivals.extend([now] * len(json.loads(line[6:]).get("tokens") or []))
-    return arrivals
+    return streams.llama_server(base_url, prompt, DECODE_TOKENS, ignore_eos=True)[0]
 
 
 def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response], bool],
