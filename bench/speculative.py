@@ -44,7 +44,9 @@ TEXT = (
     "also asked the architects to keep the oak trees on the north side of the lot, to add a ramp at the main "
     "entrance, and to make the meeting rooms available to clubs and schools free of charge.")
 TASKS = {
-    "grounded": f"Text:\n{TEXT}\n\nThe same text, copied word for word:\n",
+    # The opening quote starts the copy: without it this base model's first token is a near-tie between
+    # copying and commenting, which two engines' roundings can decide differently.
+    "grounded": f"Text:\n{TEXT}\n\nThe same text, copied word for word:\n\"",
     "free": "Once upon a time, in a village at the edge of a great forest, there lived",
 }
 LLAMA_MODES = ("none", "ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")

@@ -30,7 +30,7 @@ NGRAM_MAX = 4
 NGRAM_MIN = 2
 FIRST_LENGTH = 4  # a row's first proposals; it grows from there while they are kept
 MAX_PAUSE = 32  # steps without proposals, at most, after proposals of which none was kept
-SPECULATIVE_MAX_ROWS = 4  # decoding rows in a step beyond which nobody proposes (measured: bench/speculative.py)
+SPECULATIVE_MAX_ROWS = 2  # decoding rows in a step beyond which nobody proposes (measured: bench/speculative.py)
 
 
 @dataclass
