@@ -10,6 +10,7 @@ did run (proposals made and kept) where they compare.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -220,7 +221,12 @@ def test_the_job_log_line_gives_its_proposals(engines: Any, caplog: pytest.LogCa
     _, on = engines
     with caplog.at_level(logging.INFO, logger="llorch.engine"):
         submit(on, "logged", COPY, 40).wait()
-    finished = [r for r in caplog.records if r.getMessage() == "job finished" and r.job_id == "logged"]
+        deadline = time.monotonic() + 10  # the line follows the end event, on the engine's thread
+        while time.monotonic() < deadline:
+            finished = [r for r in caplog.records if r.getMessage() == "job finished" and r.job_id == "logged"]
+            if finished:
+                break
+            time.sleep(0.01)
     assert finished and 0 < finished[0].accepted_proposals <= finished[0].proposed_tokens
 
 
@@ -270,7 +276,7 @@ def test_the_flags_choose_the_mode_and_a_path_without_batch_invariance_defaults_
     assert (config.speculative, config.speculative_tokens) == ("off", 5)
     assert EngineConfig.from_args(parser.parse_args([])).speculative is None  # the factory decides
     with pytest.raises(SystemExit):
-        parser.parse_args(["--speculative", "draft"])
+        parser.parse_args(["--speculative", "eagle"])
     dense = make_engine(ours, start=False)  # float32 weights run by torch: not batch-invariant
     assert dense.config.speculative == "off" and dense.scheduler.speculation is None
 
@@ -294,3 +300,79 @@ def test_a_constrained_job_speculates_within_its_grammar_and_keeps_its_tokens(en
     assert speculated == alone
     assert counters(on)[1] > before[1]  # proposals were kept
     assert len(json.loads(alone[0])) >= 4
+
+
+# -- a draft model -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def zoo_target(zoo: dict[str, Path]) -> tuple[Path, LoadedModel]:
+    from conftest import exported
+
+    path = exported(zoo, "llama", Q.Q8_0)
+    loaded = load_model(path, torch.device("cpu"), torch.float32, keep_quantized=True)
+    return path, with_tokenizer(loaded, eos_token_ids=frozenset())  # random weights: run to max_tokens
+
+
+def decode(engine: Engine, prompts: list[str], sampling: SamplingParams = GREEDY) -> list[Any]:
+    jobs = [submit(engine, f"d{i}", prompt, 48, sampling, logprobs=1) for i, prompt in enumerate(prompts)]
+    return [outcome(job) for job in jobs]
+
+
+DRAFT_PROMPTS = ["one two three four", "ten nine eight seven six"]
+
+
+def test_the_model_itself_as_its_draft_has_every_greedy_proposal_kept(zoo_target: tuple[Path, LoadedModel]) -> None:
+    """The same model guesses what the target computes, bit for bit: a proposal that is not kept would
+    mean the draft's cache lost track of the row's tokens."""
+    path, loaded = zoo_target
+    off = make_engine(loaded, speculative="off", kv_cache_bytes=None, ctx_size=256)
+    try:
+        expected = decode(off, DRAFT_PROMPTS)
+    finally:
+        off.stop()
+    engine = make_engine(loaded, draft_model=str(path), kv_cache_bytes=None, ctx_size=256)
+    try:
+        assert engine.config.speculative == "draft"  # the default with a draft model
+        assert decode(engine, DRAFT_PROMPTS) == expected
+        proposed, kept = counters(engine)
+        assert proposed > 20 and kept == proposed
+        assert engine.scheduler.speculation.blocks.used_blocks == 0  # type: ignore[union-attr]
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("draft_arch", ["qwen2", "mistral"])
+def test_another_model_as_draft_changes_no_token_greedy_or_sampled(zoo: dict[str, Path], draft_arch: str,
+                                                                   zoo_target: tuple[Path, LoadedModel]) -> None:
+    from conftest import exported
+
+    _, loaded = zoo_target
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    off = make_engine(loaded, speculative="off", kv_cache_bytes=None, ctx_size=256)
+    try:
+        expected = decode(off, DRAFT_PROMPTS), decode(off, DRAFT_PROMPTS, sampled)
+    finally:
+        off.stop()
+    engine = make_engine(loaded, draft_model=str(exported(zoo, draft_arch, Q.Q8_0)), kv_cache_bytes=None,
+                         ctx_size=256)
+    try:
+        assert (decode(engine, DRAFT_PROMPTS), decode(engine, DRAFT_PROMPTS, sampled)) == expected
+        assert counters(engine)[0] > 0
+        assert engine.blocks.used_blocks == 0 and engine.scheduler.speculation.blocks.used_blocks == 0  # type: ignore[union-attr]
+    finally:
+        engine.stop()
+
+
+def test_a_draft_model_of_another_vocabulary_or_contradicting_flags_fail_in_one_line(
+        zoo_target: tuple[Path, LoadedModel], model_path: Path) -> None:
+    from llorch.engine.config import EngineConfig
+    from llorch.engine.factory import build_engine
+    from llorch.errors import StartupError
+
+    path, loaded = zoo_target
+    with pytest.raises(StartupError, match="vocabulary"):
+        build_engine(EngineConfig(draft_model=str(model_path), ctx_size=256), loaded=loaded)
+    with pytest.raises(StartupError, match="--speculative draft needs --draft-model"):
+        build_engine(EngineConfig(speculative="draft"), loaded=loaded)
+    with pytest.raises(StartupError, match="--draft-model is used by --speculative draft only"):
+        build_engine(EngineConfig(speculative="ngram", draft_model=str(path)), loaded=loaded)

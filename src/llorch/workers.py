@@ -94,9 +94,13 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
                         help="prompt tokens read per step, shared by new jobs, so long prompts never "
                              "stall running streams (default 512)")
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default=None,
-                        help="speculative decoding: 'ngram' proposes tokens found in the job's own text and "
-                             "verifies them in one step, which never changes the output; default: ngram where "
-                             "the compute path is batch-invariant (the CPU worker), else off")
+                        help="speculative decoding: 'ngram' proposes tokens found in the job's own text, 'draft' "
+                             "a draft model's guesses; one step verifies them, which never changes the output; "
+                             "default: draft with --draft-model, else ngram where the compute path is "
+                             "batch-invariant (the CPU worker), else off")
+    parser.add_argument("--draft-model", default=None,
+                        help="a smaller model of the same vocabulary (GGUF file or Hugging Face directory) whose "
+                             "greedy guesses are verified (--speculative draft, the default when given)")
     parser.add_argument("--speculative-tokens", type=positive_int, default=DEFAULT_SPECULATIVE_TOKENS,
                         help=f"proposed tokens per row and step, at most (default {DEFAULT_SPECULATIVE_TOKENS})")
     parser.add_argument("--kv-cache-mb", type=positive_int, default=None,

@@ -13,7 +13,7 @@ import torch
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 DEFAULT_CPU_KV_MB = 512
 DEFAULT_CUDA_KV_FRACTION = 0.5
-SPECULATIVE_MODES = ("ngram", "off")
+SPECULATIVE_MODES = ("ngram", "draft", "off")
 DEFAULT_SPECULATIVE_TOKENS = 16
 
 
@@ -31,9 +31,11 @@ class EngineConfig:
     max_prompt_tokens: int | None = None
     dequantize: bool = False  # hold GGUF weights dense in the compute dtype (the cpu worker's --dequantize)
     chat_template_file: str | None = None
-    # Proposals verified per decoding step: "ngram" (lookup in the job's own text) or "off". None: "ngram"
-    # where the compute path gives a row the same bits in any chunk (so speculation never changes a token).
+    # Proposals verified per decoding step: "ngram" (lookup in the job's own text), "draft" (a draft model's)
+    # or "off". None: "draft" with a draft model, else "ngram" where the compute path gives a row the same
+    # bits in any chunk (so speculation never changes a token).
     speculative: str | None = None
+    draft_model: str | None = None  # GGUF file or Hugging Face directory of the same vocabulary
     speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS  # proposals per row and step, at most
 
     @classmethod
@@ -44,4 +46,4 @@ class EngineConfig:
                    prefix_caching=not args.no_prefix_cache, request_timeout=args.request_timeout,
                    max_prompt_tokens=args.max_prompt_tokens, dequantize=getattr(args, "dequantize", False),
                    chat_template_file=args.chat_template_file, speculative=args.speculative,
-                   speculative_tokens=args.speculative_tokens)
+                   draft_model=args.draft_model, speculative_tokens=args.speculative_tokens)

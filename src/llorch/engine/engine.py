@@ -52,7 +52,7 @@ log = logging.getLogger("llorch.engine")
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, *, model_name: str,
                  model_id: str, chat_template: ChatTemplate | None = None, telemetry: Telemetry | None = None,
-                 model_path: Path | None = None) -> None:
+                 model_path: Path | None = None, speculation: NgramSpeculation | None = None) -> None:
         assert config.ctx_size is not None, "build_engine resolves the context size"
         self.runner = runner
         self.model_path = model_path  # the served file or directory (None: built from a model already loaded)
@@ -67,8 +67,7 @@ class Engine:
         self.front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
                                self.grammars, runner.config.vocab_size)
         self.blocks = BlockAllocator(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
-        speculation = None
-        if config.speculative == "ngram":
+        if speculation is None and config.speculative == "ngram":
             speculation = NgramSpeculation(config.speculative_tokens, SPECULATIVE_MAX_ROWS)
         self.scheduler = Scheduler(self.blocks, config.max_running, config.max_batch_tokens,
                                    tokenizer.eos_token_ids, speculation)
@@ -99,8 +98,9 @@ class Engine:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes the weights and the KV pool hold on the device (the contract's vram_bytes)."""
-        return self.runner.resident_bytes
+        """Bytes the weights and the KV pool hold on the device (the contract's vram_bytes), a draft model's too."""
+        speculation = self.scheduler.speculation
+        return self.runner.resident_bytes + (speculation.resident_bytes if speculation is not None else 0)
 
     @property
     def model_config(self) -> ModelConfig:

@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 
 from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES, EngineConfig
+from llorch.engine.draft import DraftSpeculation
 from llorch.engine.engine import Engine
 from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
 from llorch.engine.runner import ModelRunner
+from llorch.engine.speculative import SPECULATIVE_MAX_ROWS
 from llorch.engine.telemetry import Telemetry
 from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
@@ -31,6 +33,7 @@ from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model, read_template_file
+from llorch.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("llorch.engine")
 
@@ -122,16 +125,45 @@ def prove_finite_logits(loaded: LoadedModel, device: torch.device) -> None:
                        "a norm epsilon, the compute dtype) overflow; it cannot be served")
 
 
+def check_speculative_flags(config: EngineConfig) -> None:
+    """Flags that contradict each other fail before anything is loaded."""
+    if config.speculative == "draft" and not config.draft_model:
+        raise StartupError("--speculative draft needs --draft-model PATH")
+    if config.draft_model and config.speculative not in (None, "draft"):
+        raise StartupError(f"--draft-model is used by --speculative draft only, not --speculative {config.speculative}")
+
+
 def speculation_mode(config: EngineConfig, loaded: LoadedModel) -> str:
     """Speculative decoding is on by default where a row's logits have the same bits however its
     tokens are stepped (the C step): only there can verification never change a token."""
     invariant = loaded.model.native is not None
     if config.speculative is None:
-        return "ngram" if invariant else "off"
+        return "draft" if config.draft_model else "ngram" if invariant else "off"
     if config.speculative != "off" and not invariant:
         log.warning("speculative decoding on a compute path that is not batch-invariant: a verified token "
                     "can differ from step-by-step decoding where two logits tie within float rounding")
     return config.speculative
+
+
+def draft_speculation(config: EngineConfig, target: ModelRunner, tokenizer: Tokenizer,
+                      device: torch.device) -> DraftSpeculation:
+    """The draft model, proven to compute and to share the target's vocabulary, with a KV pool of as many
+    tokens as the target's."""
+    assert config.draft_model is not None
+    draft = load_model(config.draft_model, device, resolve_dtype(config.dtype, device),
+                       keep_quantized=keeps_quantized(config, device))
+    ours, theirs = tokenizer.backend.get_vocab(), draft.tokenizer.backend.get_vocab()
+    if ours != theirs:
+        differing = len(set(ours.items()) ^ set(theirs.items()))
+        raise StartupError(f"{draft.path}: the draft model's vocabulary ({len(theirs)} tokens) is not the served "
+                           f"model's ({len(ours)} tokens; {differing} entries differ): its guesses would be other "
+                           "tokens")
+    prove_finite_logits(draft, device)
+    pool = target.kv.num_blocks * bytes_per_block(draft.config, draft.dtype)
+    runner = ModelRunner(draft.model, device, draft.dtype, pool)
+    log.info("draft model loaded", extra={"model": draft.name, "path": str(draft.path),
+                                          "weights": "gguf blocks" if draft.quantized else "dense"})
+    return DraftSpeculation(runner, target.config.vocab_size, config.speculative_tokens, SPECULATIVE_MAX_ROWS)
 
 
 def build_engine(config: EngineConfig, device: torch.device | None = None, *, loaded: LoadedModel | None = None,
@@ -139,6 +171,7 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
                  progress: Callable[[int, int], None] | None = None) -> Engine:
     """Load the model (unless `loaded` is given) and assemble its runner and engine, not yet started."""
     device = device or torch.device("cpu")
+    check_speculative_flags(config)
     if loaded is None:
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(config.model or default_model_path(), device, dtype, progress=progress,
@@ -151,8 +184,9 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
         raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
     runner = ModelRunner(loaded.model, device, loaded.dtype, kv_pool_bytes(config, loaded, device, ctx_size))
     speculative = speculation_mode(config, loaded)
+    speculation = draft_speculation(config, runner, loaded.tokenizer, device) if speculative == "draft" else None
     engine = Engine(runner, loaded.tokenizer, replace(config, ctx_size=ctx_size, speculative=speculative),
-                    model_name=loaded.name,
+                    speculation=speculation, model_name=loaded.name,
                     model_id=loaded.model_id, chat_template=load_chat_template(config.chat_template_file, loaded),
                     telemetry=telemetry, model_path=loaded.path)
     dtype_name = str(loaded.dtype).removeprefix("torch.")

@@ -38,7 +38,7 @@ from llorch.engine.kv.blocks import BlockAllocator
 from llorch.engine.plan import Accepted, Chunk, StepPlan
 from llorch.engine.request import StopReason
 from llorch.engine.sequence import Sequence, SequenceState
-from llorch.engine.speculative import NgramSpeculation, RowSpeculation
+from llorch.engine.speculative import NgramSpeculation, Proposal, RowSpeculation
 
 # Rows of prompt-scoring logits one step may produce: 64 rows of a 262k vocabulary are 64 MiB of float32.
 SCORED_ROWS_PER_STEP = 64
@@ -164,16 +164,19 @@ class Scheduler:
 
     def _propose(self, singles: list[Chunk], budget: int) -> None:
         """Proposed tokens for decoding rows, from what the step's token budget leaves."""
-        speculation = self.speculation
         for chunk in singles:
-            seq, seq.draft = chunk.seq, []
-            if speculation is None or len(singles) > speculation.max_rows or not chunk.completes:
-                continue
-            if seq.scoring:  # its rows' logits score the prompt
-                continue
+            chunk.seq.draft = []
+        speculation = self.speculation
+        if speculation is None or len(singles) > speculation.max_rows:
+            return
+        rows = [c.seq for c in singles if c.completes and not c.seq.scoring]  # scoring rows' logits score
+        for seq in rows:
             seq.speculation = seq.speculation or RowSpeculation()
-            limit = min(budget, seq.max_tokens - len(seq.output_ids) - 1)
-            draft = speculation.propose(seq.speculation, seq.token_ids, limit)
+        limits = [seq.max_tokens - len(seq.output_ids) - 1 for seq in rows]
+        drafts = speculation.propose_rows([Proposal(seq.speculation, seq.token_ids, min(budget, limit))  # type: ignore[arg-type]
+                                           for seq, limit in zip(rows, limits, strict=True)])
+        for seq, draft in zip(rows, drafts, strict=True):
+            draft = draft[: max(0, budget)]
             if draft and seq.matcher is not None:  # a proposal the grammar refuses ends them
                 draft = draft[: seq.matcher.validate_tokens(draft)]
             seq.draft = draft[: self._room(seq, len(draft))]
@@ -257,6 +260,8 @@ class Scheduler:
 
     def _release_blocks(self, seq: Sequence) -> None:
         self.blocks.release(seq.blocks.clear())
+        if self.speculation is not None and seq.speculation is not None:
+            self.speculation.forget(seq.speculation)
 
     def computed(self, chunk: Chunk) -> None:
         """The chunk's known tokens are in the KV cache now (its proposals count once kept)."""

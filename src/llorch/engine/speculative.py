@@ -44,6 +44,7 @@ class RowSpeculation:
     paused: int = 0  # steps left without proposals
     proposed: int = 0  # this job's totals
     accepted: int = 0
+    cache: object = None  # what a proposer keeps for the row between steps (a draft model's KV)
 
     def sync(self, token_ids: list[int]) -> np.ndarray:
         """The sequence's tokens as an int64 array (only the new ones are copied)."""
@@ -56,6 +57,15 @@ class RowSpeculation:
             self.tokens[self.synced : count] = token_ids[self.synced :]
             self.synced = count
         return self.tokens[:count]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A decoding row asked for proposals: its state, its tokens, and how many it may have at most."""
+
+    state: RowSpeculation
+    token_ids: list[int]
+    limit: int
 
 
 def continuation(tokens: np.ndarray, limit: int) -> np.ndarray:
@@ -83,9 +93,18 @@ def continuation(tokens: np.ndarray, limit: int) -> np.ndarray:
 class NgramSpeculation:
     """Proposes tokens for decoding rows from their own text and adapts to what verification keeps."""
 
+    resident_bytes = 0  # on the device, beside the target's weights and KV pool
+
     def __init__(self, max_tokens: int, max_rows: int) -> None:
         self.max_tokens = max_tokens  # proposals per row and step, at most
         self.max_rows = max_rows  # decoding rows a step may have for anyone to propose
+
+    def propose_rows(self, rows: list[Proposal]) -> list[list[int]]:
+        """Each row's proposed next tokens (at most its limit; none is fine)."""
+        return [self.propose(row.state, row.token_ids, row.limit) for row in rows]
+
+    def forget(self, state: RowSpeculation) -> None:
+        """The row stopped running (finished or preempted): let go of what was kept for it."""
 
     def propose(self, state: RowSpeculation, token_ids: list[int], limit: int) -> list[int]:
         """At most `limit` proposed next tokens for a sequence whose tokens are `token_ids`."""
