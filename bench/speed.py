@@ -11,7 +11,7 @@ thread count:
 - single stream, in-process: llorch's runner fed directly (the C step on the file's
   blocks; `--dequantize`'s float32 weights through torch as the old path), llama.cpp
   through its Python bindings, transformers' generate (float32);
-- single stream over HTTP: a llorch worker with default flags, and llama.cpp's own
+- single stream over HTTP: a llorch worker with default flags but speculation off, and llama.cpp's own
   `llama-server`; each restarted per repetition for its warm start-to-ready time, with
   its peak resident memory (VmHWM) holding one slot of 4096 tokens;
 - concurrency: aggregate tokens/s and time to first token at 1, 8, 16 and 32 streaming
@@ -171,8 +171,10 @@ def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response],
 def llorch_worker_command(args: argparse.Namespace, model: Path, port: int, slots: int, context: int) -> list[str]:
     from launch import worker_command
 
+    # Speculation off: these rows compare decoding with llama-server's (which speculates only when told to)
+    # and with our in-process step; the speculative table measures it (speculative.py).
     return [*worker_command(), "--model", str(model), "--port", str(port), "--threads", str(args.threads),
-            "--max-running", str(slots), "--ctx-size", str(context), "--log-level", "warning"]
+            "--max-running", str(slots), "--ctx-size", str(context), "--log-level", "warning", "--speculative", "off"]
 
 
 def llama_server_command(args: argparse.Namespace, model: Path, port: int, slots: int, context: int) -> list[str]:
