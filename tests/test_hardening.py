@@ -185,3 +185,30 @@ def test_loading_and_draining_workers_refuse_jobs_with_503() -> None:
     assert client.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 503
     state.draining = True
     assert client.get("/health").json()["status"] == "draining"
+
+
+def test_a_non_streamed_answer_is_built_and_encoded_off_the_event_loop() -> None:
+    """Megabytes of JSON (a long answer with log-probabilities) must not stall every stream: the answer
+    is built and encoded on a worker thread, into the bytes JSONResponse would send."""
+    import asyncio
+    import threading
+
+    from fastapi.responses import JSONResponse
+
+    from llorch.api.json_answer import json_answer
+
+    body = {"text": "é ✓", "logprobs": [{"token": "a", "logprob": -0.25}] * 3, "n": None}
+    builders: list[threading.Thread] = []
+
+    def build() -> dict[str, object]:
+        builders.append(threading.current_thread())
+        return body
+
+    async def answer() -> tuple[threading.Thread, object]:
+        return threading.current_thread(), await json_answer(build)
+
+    loop_thread, response = asyncio.run(answer())
+    assert builders and builders[0] is not loop_thread
+    assert response.body == JSONResponse(body).body and response.media_type == "application/json"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError):  # no NaN on the wire, as JSONResponse
+        asyncio.run(json_answer(lambda: {"logprob": float("nan")}))

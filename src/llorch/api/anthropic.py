@@ -27,6 +27,7 @@ from llorch.api.body import BadRequest, read_json, request_body
 from llorch.api.errors import ANTHROPIC_ERROR_SCHEMA, RETRY, AnthropicError, error_responses
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, tool_constraint, unless_disconnected
 from llorch.api.jobs import JobStream
+from llorch.api.json_answer import json_answer
 from llorch.api.state import WorkerState
 from llorch.api.streaming import SSE, sse
 from llorch.api.tool_calls import ToolFormat
@@ -173,8 +174,8 @@ async def answer(http: Request, engine: Engine, body: MessagesRequest) -> JSONRe
     if not await unless_disconnected(http, asyncio.ensure_future(collect())):
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the job is cancelled
     end = ended[0]
-    return JSONResponse({**head, "content": builder.blocks, **builder.stop(end),
-                         "usage": {"input_tokens": input_tokens, "output_tokens": end.tokens_out}})
+    return await json_answer(lambda: {**head, "content": builder.blocks, **builder.stop(end),
+                                      "usage": {"input_tokens": input_tokens, "output_tokens": end.tokens_out}})
 
 
 async def stream_events(stream: JobStream, builder: Blocks, head: dict[str, Any], input_tokens: int
@@ -234,7 +235,8 @@ class Blocks:
         """stop_reason and stop_sequence of the finished answer."""
         called = any(block["type"] == "tool_use" for block in self.blocks)
         reason = STOP_REASONS[end.stop_reason]
-        if called and end.stop_reason is not StopReason.MAX_TOKENS:
+        # A finished turn (a repeated call, cancelled) may still reach max_tokens before the cancel lands.
+        if called and (end.stop_reason is not StopReason.MAX_TOKENS or self.finished):
             reason = "tool_use"
         return {"stop_reason": reason, "stop_sequence": end.stop_sequence_matched}
 

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.errors import LlamaServerError, job_error_parts, refusal_parts
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, unless_disconnected
 from llorch.api.jobs import JobStream
+from llorch.api.json_answer import json_answer
 from llorch.api.llama_server_completion_schemas import LlamaCompletionRequest
 from llorch.api.streaming import sse
 from llorch.api.tokenizer_routes import tokenize_parts
@@ -194,7 +195,7 @@ async def complete(http: Request, engine: Engine, body: LlamaCompletionRequest) 
 
     if not await unless_disconnected(http, asyncio.ensure_future(collect())):
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the job is cancelled
-    return JSONResponse(shape.final(gen, streamed=False))
+    return await json_answer(lambda: shape.final(gen, streamed=False))
 
 
 async def chunks(stream: JobStream, gen: Generation, shape: Shape) -> AsyncIterator[bytes]:

@@ -18,11 +18,12 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, unless_disconnected
 from llorch.api.jobs import JobStream
+from llorch.api.json_answer import json_answer
 from llorch.api.ollama_errors import job_error, refusal
 from llorch.api.ollama_schemas import GenerationBody
 from llorch.api.streaming import NDJSON
@@ -97,12 +98,14 @@ class Clock:
             self.end = at
             self.first = self.first or at
 
-    def stats(self, prompt_tokens: int, end: End) -> dict[str, Any]:
-        """Ollama's counts and durations: the prompt is read from acceptance to the first token."""
+    def stats(self, prompt_tokens: int, end: End, turn_finished: bool = False) -> dict[str, Any]:
+        """Ollama's counts and durations: the prompt is read from acceptance to the first token. A finished
+        turn (a repeated call, cancelled) may still reach max_tokens before the cancel lands: it stopped."""
         finish = self.end or time.perf_counter_ns()
         accepted = self.accepted or self.start
         first = self.first or finish
-        return {"done_reason": DONE_REASONS.get(end.stop_reason.value, "stop"), "total_duration": finish - self.start,
+        reason = "stop" if turn_finished else DONE_REASONS.get(end.stop_reason.value, "stop")
+        return {"done_reason": reason, "total_duration": finish - self.start,
                 "load_duration": 0, "prompt_eval_count": prompt_tokens, "prompt_eval_duration": first - accepted,
                 "eval_count": end.tokens_out, "eval_duration": finish - first}
 
@@ -177,7 +180,8 @@ async def answer(http: Request, engine: Engine, request: GenerationRequest, body
 
     if not await unless_disconnected(http, asyncio.ensure_future(collect())):
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the job is cancelled
-    return JSONResponse({**shape.body(reply.whole, collected, done=True), **clock.stats(prompt_tokens, ended[0])})
+    return await json_answer(lambda: {**shape.body(reply.whole, collected, done=True),
+                                      **clock.stats(prompt_tokens, ended[0], reply.turn.finished)})
 
 
 async def stream_lines(stream: JobStream, reply: Reply, clock: Clock, shape: Shape,
@@ -202,4 +206,5 @@ async def stream_lines(stream: JobStream, reply: Reply, clock: Clock, shape: Sha
             if piece:
                 yield ndjson(shape.body(piece, pending, done=False))
                 pending = []
-            yield ndjson({**shape.body(Piece(), pending, done=True), **clock.stats(prompt_tokens, event)})
+            stats = clock.stats(prompt_tokens, event, reply.turn.finished)
+            yield ndjson({**shape.body(Piece(), pending, done=True), **stats})

@@ -56,7 +56,9 @@ class Choice:
     def finish_reason(self) -> str | None:
         if self.end is None:
             return None
-        if self.tool_calls and self.end.stop_reason.value != "MAX_TOKENS":
+        # A finished turn (a repeated call, cancelled) may still reach max_tokens before the cancel lands.
+        finished = self.turn is not None and self.turn.finished
+        if self.tool_calls and (self.end.stop_reason.value != "MAX_TOKENS" or finished):
             return "tool_calls"
         return FINISH_REASONS.get(self.end.stop_reason.value)
 

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from llorch.api.errors import openai_job_error, openai_refusal
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, merged, prepare_all, unless_disconnected
 from llorch.api.jobs import JobStream
+from llorch.api.json_answer import json_answer
 from llorch.api.openai_choices import (
     ChatShape,
     Choice,
@@ -88,7 +89,7 @@ async def generate(http: Request, engine: Engine, body: Any, requests: list[Gene
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the jobs are cancelled
     for choice in choices:
         choice.text = choice.take_echo() + choice.text
-    return JSONResponse(shape.response(choices, usage(prompt_tokens, choices)))
+    return await json_answer(lambda: shape.response(choices, usage(prompt_tokens, choices)))
 
 
 async def collect(engine: Engine, streams: list[JobStream], choices: list[Choice]) -> None:

@@ -22,6 +22,7 @@ from llorch.api.body import request_body
 from llorch.api.errors import OPENAI_ERROR_SCHEMA, OpenAIError, error_responses, openai_job_error, openai_refusal
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, prepare_all, tool_constraint, unless_disconnected
 from llorch.api.jobs import JobStream
+from llorch.api.json_answer import json_answer
 from llorch.api.openai import parse_body, ready
 from llorch.api.response_store import ResponseStore
 from llorch.api.responses_items import INPUT_ITEMS, FunctionCallItem, FunctionCallOutputItem, MessageItem
@@ -197,4 +198,4 @@ async def respond(http: Request, engine: Engine, body: ResponseRequest, history:
     if not await unless_disconnected(http, asyncio.ensure_future(collect())):
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the job is cancelled
     keep()
-    return JSONResponse(builder.response)
+    return await json_answer(lambda: builder.response)

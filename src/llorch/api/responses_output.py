@@ -171,7 +171,8 @@ class OutputBuilder:
         events = self.render(self.turn.take("", end=True))
         if not any(item["type"] in ("message", "function_call") for item in self.output):
             events += self.say("", force=True)  # every answer has a message, if nothing else
-        cut = end.stop_reason is StopReason.MAX_TOKENS
+        # A finished turn (a repeated call, cancelled) may still reach max_tokens before the cancel lands.
+        cut = end.stop_reason is StopReason.MAX_TOKENS and not self.turn.finished
         events += self.close("incomplete" if cut else "completed")
         self.response.update({
             "status": "incomplete" if cut else "completed", "completed_at": None if cut else int(time.time()),

@@ -55,22 +55,22 @@ NO_MASKS = PendingMasks({}, None)
 
 
 def mask_proposals(matcher: LLMatcher, draft: list[int], logits: Tensor, words: int) -> None:
-    """Mask the rows after a constrained row's proposals (logits[j] follows draft[j]) by its grammar
-    in the state after the proposals up to j: each is consumed in turn and all are rolled back after.
+    """Mask the rows after a constrained row's proposals (logits[j] follows draft[j]) by its grammar in
+    the state after the proposals up to j, on a copy of the job's matcher: a matcher that consumes past
+    its grammar's end is left in an error that rolling back does not clear.
 
-    The proposals were checked against the grammar when they were made; should one still be
-    refused, the rows from there stay unmasked, and are never read: its own row forbids it.
+    The proposals were checked against the grammar when they were made; should one still be refused,
+    or the grammar end before the last, the rows from there stay unmasked and are never read: the row
+    before forbids that proposal, or the sequence ends there.
     """
+    probe = matcher.deep_copy()
     bitmask = torch.empty(len(draft), words, dtype=torch.int32)
     consumed = 0
-    try:
-        for token in draft:
-            if not matcher.consume_token(token):
-                break
-            fill_mask(matcher, bitmask[consumed])
-            consumed += 1
-    finally:
-        matcher.rollback(consumed)
+    for token in draft:
+        if probe.is_stopped() or not probe.consume_token(token):
+            break
+        fill_mask(probe, bitmask[consumed])
+        consumed += 1
     if consumed:
         mask_rows(logits, list(range(consumed)), bitmask[:consumed])
 
