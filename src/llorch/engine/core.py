@@ -195,20 +195,23 @@ class EngineCore:
 
     def _sample(self, sampling: list[Sequence], logits: Tensor, masks: PendingMasks, out: StepOutput) -> None:
         """Every sampling row's tokens (a row with proposals verifies them), then the scheduler accepts each."""
+        firsts = logit_rows(sampling, range(len(sampling)), first_only=True)  # each row's sampling row
         try:
             with torch.inference_mode():  # the logits are inference tensors; masks write them in place
-                masks.apply(sampling, logits, logit_rows(sampling, range(len(sampling)), first_only=True))
+                masks.apply(sampling, logits, firsts)
         except Exception as exc:  # only the constrained rows lose: sampled unmasked they would break their grammar
             log.exception("grammar masks failed")
             keep = [i for i, seq in enumerate(sampling) if seq.matcher is None]
+            rows = logit_rows(sampling, keep)  # before failing: a finished row's proposals are gone
             for seq in sampling:
                 if seq.matcher is not None:
                     self._fail(seq, ErrorCode.INFERENCE_FAILED, f"{type(exc).__name__}: {exc}", out)
             if not keep:
                 return
-            sampling, logits = [sampling[i] for i in keep], logits[logit_rows(sampling, keep)]
+            sampling, logits = [sampling[i] for i in keep], logits[rows]
+            firsts = logit_rows(sampling, range(len(sampling)), first_only=True)
         if any(seq.draft for seq in sampling):
-            tokens = self._verify_rows(sampling, logits, out)
+            tokens = self._verify_rows(sampling, logits, firsts, out)
         else:
             tokens = [None if s is None else [s] for s in self._sample_rows(sampling, logits, out)]
         for seq, kept in zip(sampling, tokens, strict=True):
@@ -237,9 +240,10 @@ class EngineCore:
         except Exception:  # find the row that fails, so only its job ends
             return [self._sample_alone(seq, logits[i : i + 1], out) for i, seq in enumerate(sampling)]
 
-    def _verify_rows(self, sampling: list[Sequence], logits: Tensor, out: StepOutput) -> list[list[Sampled] | None]:
-        """Rows without proposals are sampled together; each row with proposals verifies them."""
-        firsts = logit_rows(sampling, range(len(sampling)), first_only=True)
+    def _verify_rows(self, sampling: list[Sequence], logits: Tensor, firsts: list[int], out: StepOutput
+                     ) -> list[list[Sampled] | None]:
+        """Rows without proposals are sampled together; each row with proposals (its rows start at
+        firsts[i]) verifies them."""
         plain = [i for i, seq in enumerate(sampling) if not seq.draft]
         tokens: list[list[Sampled] | None] = [None] * len(sampling)
         if plain:

@@ -48,21 +48,22 @@ class DraftSpeculation(NgramSpeculation):
 
     def propose_rows(self, rows: list[Proposal]) -> list[list[int]]:
         wanted = [self._wanted(row) for row in rows]
-        active = [i for i, row in enumerate(rows) if wanted[i] and self._room(row, wanted[i])]
+        caches = {i: self._synced(row) for i, row in enumerate(rows) if wanted[i]}
+        active = [i for i in caches if self._room(caches[i], len(rows[i].token_ids) + wanted[i])]
         drafts: list[list[int]] = [[] for _ in rows]
         if not active:
             return drafts
         with torch.inference_mode():
             # Catch up (single-token chunks first: they share one attention call), then the first proposals.
-            order = sorted(active, key=lambda i: self._unread(rows[i]) > 1)
-            chunks = [self._catch_up(rows[i]) for i in order]
+            order = sorted(active, key=lambda i: len(rows[i].token_ids) - caches[i].table.computed > 1)
+            chunks = [self._catch_up(caches[i], rows[i].token_ids) for i in order]
             for i, token in zip(order, self._next(chunks), strict=True):
                 drafts[i].append(token)
             for step in range(1, max(wanted[i] for i in active)):
                 going = [i for i in active if wanted[i] > step and drafts[i][-1] < self.vocab_size]
                 if not going:
                     break
-                chunks = [self._feed(rows[i], drafts[i][-1]) for i in going]
+                chunks = [self._feed(caches[i], drafts[i][-1]) for i in going]
                 for i, token in zip(going, self._next(chunks), strict=True):
                     drafts[i].append(token)
         return [next((d[:j] for j, t in enumerate(d) if t >= self.vocab_size), d) for d in drafts]
@@ -75,15 +76,11 @@ class DraftSpeculation(NgramSpeculation):
 
     # -- one row -------------------------------------------------------------------------------------
     def _wanted(self, row: Proposal) -> int:
-        state = row.state
-        if state.paused:
-            state.paused -= 1
-            return 0
-        wanted = max(0, min(row.limit, state.length, self.max_tokens))
+        wanted = self.wanted(row.state, row.limit)
         return wanted if len(row.token_ids) + wanted <= self.runner.config.context_length else 0
 
-    def _cache(self, row: Proposal) -> DraftCache:
-        """The row's draft cache, with its computed count cut to the tokens that still match the row's."""
+    def _synced(self, row: Proposal) -> DraftCache:
+        """The row's draft cache, its computed count cut to the tokens that still match the row's."""
         cache = row.state.cache
         if not isinstance(cache, DraftCache):
             cache = row.state.cache = DraftCache(BlockTable(self.runner.kv.block_size))
@@ -96,33 +93,25 @@ class DraftSpeculation(NgramSpeculation):
         cache.base, cache.fed = cache.table.computed, []
         return cache
 
-    def _unread(self, row: Proposal) -> int:
-        return len(row.token_ids) - self._cache(row).table.computed
-
-    def _room(self, row: Proposal, wanted: int) -> bool:
-        """Blocks for the row's tokens and `wanted` - 1 proposals fed back (all or none are taken)."""
-        table = self._cache(row).table
-        needed = self.blocks.blocks_for(len(row.token_ids) + wanted) - len(table.blocks)
+    def _room(self, cache: DraftCache, tokens: int) -> bool:
+        """Blocks for `tokens` positions (all or none are taken)."""
+        needed = self.blocks.blocks_for(tokens) - len(cache.table.blocks)
         if needed > self.blocks.free_blocks:
             return False
-        table.blocks.extend(self.blocks.allocate() for _ in range(max(0, needed)))  # type: ignore[misc]
+        cache.table.blocks.extend(self.blocks.allocate() for _ in range(max(0, needed)))  # type: ignore[misc]
         return True
 
-    def _catch_up(self, row: Proposal) -> ChunkInput:
-        cache = row.state.cache
-        assert isinstance(cache, DraftCache)
+    @staticmethod
+    def _catch_up(cache: DraftCache, token_ids: list[int]) -> ChunkInput:
         start = cache.table.computed
-        unread = row.token_ids[start:]
+        unread = token_ids[start:]
         if not unread:  # every token was read: read the last one again to get its logits
-            start, unread = start - 1, row.token_ids[-1:]
-        cache.table.computed = start + len(unread)
-        cache.base = cache.table.computed
+            start, unread = start - 1, token_ids[-1:]
+        cache.table.computed = cache.base = start + len(unread)
         return ChunkInput(unread, start, cache.table.blocks, True)
 
     @staticmethod
-    def _feed(row: Proposal, token: int) -> ChunkInput:
-        cache = row.state.cache
-        assert isinstance(cache, DraftCache)
+    def _feed(cache: DraftCache, token: int) -> ChunkInput:
         start = cache.table.computed
         cache.table.computed += 1
         cache.fed.append(token)

@@ -34,7 +34,7 @@ from llorch.engine.request import ErrorCode, Event, GenerationRequest, PreparedJ
 from llorch.engine.runner import ModelRunner
 from llorch.engine.scheduler import Scheduler
 from llorch.engine.sequence import Sequence, SequenceState
-from llorch.engine.speculative import SPECULATIVE_MAX_ROWS, NgramSpeculation
+from llorch.engine.speculative import NgramSpeculation
 from llorch.engine.telemetry import Telemetry
 from llorch.engine.tokens import TokenFacts
 from llorch.engine.views import EngineStats, JobView
@@ -67,8 +67,6 @@ class Engine:
         self.front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
                                self.grammars, runner.config.vocab_size)
         self.blocks = BlockAllocator(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
-        if speculation is None and config.speculative == "ngram":
-            speculation = NgramSpeculation(config.speculative_tokens, SPECULATIVE_MAX_ROWS)
         self.scheduler = Scheduler(self.blocks, config.max_running, config.max_batch_tokens,
                                    tokenizer.eos_token_ids, speculation)
         self.telemetry = telemetry or Telemetry()

@@ -22,7 +22,7 @@ from llorch.engine.draft import DraftSpeculation
 from llorch.engine.engine import Engine
 from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
 from llorch.engine.runner import ModelRunner
-from llorch.engine.speculative import SPECULATIVE_MAX_ROWS
+from llorch.engine.speculative import SPECULATIVE_MAX_ROWS, NgramSpeculation
 from llorch.engine.telemetry import Telemetry
 from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
@@ -184,7 +184,9 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
         raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
     runner = ModelRunner(loaded.model, device, loaded.dtype, kv_pool_bytes(config, loaded, device, ctx_size))
     speculative = speculation_mode(config, loaded)
-    speculation = draft_speculation(config, runner, loaded.tokenizer, device) if speculative == "draft" else None
+    speculation = (draft_speculation(config, runner, loaded.tokenizer, device) if speculative == "draft"
+                   else NgramSpeculation(config.speculative_tokens, SPECULATIVE_MAX_ROWS) if speculative == "ngram"
+                   else None)
     engine = Engine(runner, loaded.tokenizer, replace(config, ctx_size=ctx_size, speculative=speculative),
                     speculation=speculation, model_name=loaded.name,
                     model_id=loaded.model_id, chat_template=load_chat_template(config.chat_template_file, loaded),

@@ -108,13 +108,15 @@ class NgramSpeculation:
 
     def propose(self, state: RowSpeculation, token_ids: list[int], limit: int) -> list[int]:
         """At most `limit` proposed next tokens for a sequence whose tokens are `token_ids`."""
+        limit = self.wanted(state, limit)
+        return continuation(state.sync(token_ids), limit).tolist() if limit else []
+
+    def wanted(self, state: RowSpeculation, limit: int) -> int:
+        """How many tokens the row proposes this step (0 while it pauses, which this step counts)."""
         if state.paused:
             state.paused -= 1
-            return []
-        limit = min(limit, state.length, self.max_tokens)
-        if limit <= 0:
-            return []
-        return continuation(state.sync(token_ids), limit).tolist()
+            return 0
+        return max(0, min(limit, state.length, self.max_tokens))
 
     def verified(self, state: RowSpeculation, proposed: int, accepted: int) -> None:
         """`accepted` of `proposed` tokens were kept: adapt the row's proposal length and pause."""
