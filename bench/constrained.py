@@ -55,7 +55,7 @@ def run_round(engine: Engine, streams: int, tokens: int, constrained: bool, tag:
 
 def mask_time_ms(engine: Engine, tokens: int = 200) -> float:
     """Median time to fill one mask along a real constrained output."""
-    grammar = engine.grammars.compile(Constraint("json_schema", json.dumps(SCHEMA), "json_schema"))
+    grammar = engine.front.grammars.compile(Constraint("json_schema", json.dumps(SCHEMA), "json_schema"))
     matcher = grammar.matcher()
     text = json.dumps(["zebra", "lion", "giraffe", "cat", "dog", "horse", "eagle"] * 20)
     ids = engine.front.tokenizer.encode(text, add_special_tokens=False)[:tokens]
@@ -80,7 +80,7 @@ def main() -> None:
     engine = build_engine(EngineConfig(ctx_size=1024, max_running=16, prefix_caching=False))
     engine.start()
     started = time.perf_counter()
-    engine.grammars.ll_tokenizer  # noqa: B018 -- the one-off build, timed here
+    engine.front.grammars.ll_tokenizer  # noqa: B018 -- the one-off build, timed here
     print(f"grammar tokenizer view built in {time.perf_counter() - started:.2f} s (first constrained request only)")
     print(f"mask fill, median per token: {mask_time_ms(engine):.3f} ms")
     for streams in map(int, args.streams.split(",")):

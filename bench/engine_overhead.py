@@ -24,7 +24,9 @@ import torch
 
 from llorch.engine.config import EngineConfig
 from llorch.engine.engine import Engine
+from llorch.engine.factory import decoder_engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams
+from llorch.engine.telemetry import Telemetry
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import load_model
 
@@ -109,8 +111,10 @@ def main() -> None:
     runner = StandInRunner(loaded.config.vocab_size, words)
     tokenizer = type(tokenizer)(tokenizer.backend, tokenizer.bos_token_id, frozenset(), tokenizer.special_ids,
                                 tokenizer.byte_token_ids)  # no end-of-generation id: every job runs its length
-    config = EngineConfig(ctx_size=8192, max_running=max(args.streams), max_queue=max(args.streams))
-    engine = Engine(runner, tokenizer, config, model_name="stand-in", model_id="stand-in")  # type: ignore[arg-type]
+    config = EngineConfig(ctx_size=8192, max_running=max(args.streams), max_queue=max(args.streams)
+                          ).with_limits("generate")
+    engine = decoder_engine(runner, tokenizer, config, None, None, Telemetry(),  # type: ignore[arg-type]
+                            model_name="stand-in", model_id="stand-in")
     engine.start()
     try:
         measure(engine, runner, 1, 32, SamplingParams(temperature=0.8, seed=0))  # warm-up: first-call costs

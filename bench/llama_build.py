@@ -24,6 +24,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 PINNED = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("LLORCH_BENCH_CACHE", Path.home() / ".cache" / "llorch-bench"))
@@ -43,11 +44,7 @@ def ensure_build(log: Path | None = None) -> Path:
     out = log.open("a") if log else subprocess.DEVNULL
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
-                        PINNED], check=True, stdout=out, stderr=out)
-        with tarfile.open(next(work.glob("llama_cpp_python-*.tar.gz"))) as archive:
-            archive.extractall(work, filter="data")
-        package = next(work.glob("llama_cpp_python-*"))
+        package = _source(work, out)
         source = package / "vendor" / "llama.cpp"
         build = work / "build"
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
@@ -62,14 +59,45 @@ def ensure_build(log: Path | None = None) -> Path:
         for library in build.rglob("*.so*"):
             shutil.copy2(library, staging / "lib" / library.name, follow_symlinks=True)
         shutil.copytree(package / "llama_cpp", staging / "python" / "llama_cpp")
-        (staging / "converter").mkdir()
-        shutil.copy2(source / "convert_hf_to_gguf.py", staging / "converter")
-        for extra in ("gguf-py", "conversion"):
-            if (source / extra).exists():
-                shutil.copytree(source / extra, staging / "converter" / extra)
+        _copy_converter(source, staging / "converter")
     (staging / "ready").write_text(PINNED)
     staging.replace(HOME)
     return HOME
+
+
+def converter() -> Path:
+    """llama.cpp's converter from the pinned source (the build's, or fetched alone: the tests convert models
+    with it and need no build of llama.cpp)."""
+    if (HOME / "ready").exists():
+        return HOME / "converter"
+    alone = HOME.with_name(HOME.name + "-converter")
+    if (alone / "ready").exists():
+        return alone
+    shutil.rmtree(alone, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp) / "converter"
+        _copy_converter(_source(Path(tmp), subprocess.DEVNULL) / "vendor" / "llama.cpp", staging)
+        (staging / "ready").write_text(PINNED)
+        alone.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(staging, alone)
+    return alone
+
+
+def _source(work: Path, out: Any) -> Path:
+    """The pinned llama-cpp-python source package, downloaded and unpacked into `work`."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
+                    PINNED], check=True, stdout=out, stderr=out)
+    with tarfile.open(next(work.glob("llama_cpp_python-*.tar.gz"))) as archive:
+        archive.extractall(work, filter="data")
+    return next(p for p in work.glob("llama_cpp_python-*") if p.is_dir())
+
+
+def _copy_converter(source: Path, target: Path) -> None:
+    target.mkdir(parents=True)
+    shutil.copy2(source / "convert_hf_to_gguf.py", target)
+    for extra in ("gguf-py", "conversion"):
+        if (source / extra).exists():
+            shutil.copytree(source / extra, target / extra)
 
 
 def server_binary() -> Path:
@@ -123,9 +151,9 @@ def bindings() -> ModuleType:
 
 def convert_hf_to_gguf(directory: Path, output: Path, outtype: str = "f16") -> None:
     """llama.cpp's own converter from the pinned source, with its own gguf-py."""
-    converter = ensure_build() / "converter"
-    environment = {**os.environ, "PYTHONPATH": f"{converter / 'gguf-py'}:{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run([sys.executable, str(converter / "convert_hf_to_gguf.py"), str(directory), "--outfile", str(output),
+    tool = converter()
+    environment = {**os.environ, "PYTHONPATH": f"{tool / 'gguf-py'}:{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run([sys.executable, str(tool / "convert_hf_to_gguf.py"), str(directory), "--outfile", str(output),
                     "--outtype", outtype], check=True, env=environment, stdout=subprocess.DEVNULL)
 
 

@@ -242,7 +242,7 @@ def test_an_engine_loop_that_dies_ends_every_job_and_refuses_new_ones(ours: Load
     def broken() -> None:
         raise RuntimeError("a scheduling bug")
 
-    engine.scheduler.schedule = broken  # type: ignore[method-assign]
+    engine.core.scheduler.schedule = broken  # type: ignore[method-assign]
     doomed = run(engine, "doomed")
     engine.start()
     try:

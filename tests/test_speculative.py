@@ -63,7 +63,7 @@ def counters(engine: Engine) -> tuple[float, float]:
 def engines(served: LoadedModel) -> Any:
     """The default model with speculation off and on (the worker's default on this path)."""
     off, on = make_engine(served, speculative="off"), make_engine(served)
-    assert on.config.speculative == "ngram" and on.scheduler.speculation is not None
+    assert on.config.speculative == "ngram" and on.core.scheduler.speculation is not None
     yield off, on
     off.stop()
     on.stop()
@@ -175,7 +175,7 @@ def test_max_tokens_ends_exactly_and_the_pool_is_whole_afterwards(engines: Any) 
     _, on = engines
     for max_tokens in (1, 2, 5, 17):
         assert outcome(submit(on, f"m{max_tokens}", COPY, max_tokens))[1]["tokens_out"] == max_tokens
-    assert on.blocks.used_blocks == 0
+    assert on.core.scheduler.blocks.used_blocks == 0
 
 
 def test_cached_blocks_hold_only_kept_tokens(served: LoadedModel) -> None:
@@ -258,7 +258,8 @@ def test_every_architecture_and_block_type_decodes_the_same_tokens(zoo: dict[str
     try:
         alone = submit(engine, "z", prompt, 60, logprobs=2)
         expected = outcome(alone)
-        engine.scheduler.speculation = Oracle(list(engine.prepare(GenerationRequest("p", prompt, 60)).prompt_ids), [
+        prompt_ids = list(engine.prepare(GenerationRequest("p", prompt, 60)).prompt_ids)
+        engine.core.scheduler.speculation = Oracle(prompt_ids, [
             e["token_id"] for e in alone.events if e["type"] == "logprob"])
         assert outcome(submit(engine, "z", prompt, 60, logprobs=2)) == expected
         proposed, kept = counters(engine)
@@ -278,7 +279,7 @@ def test_the_flags_choose_the_mode_and_a_path_without_batch_invariance_defaults_
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative", "eagle"])
     dense = make_engine(ours, start=False)  # float32 weights run by torch: not batch-invariant
-    assert dense.config.speculative == "off" and dense.scheduler.speculation is None
+    assert dense.config.speculative == "off" and dense.core.scheduler.speculation is None
 
 
 def test_a_constrained_job_speculates_within_its_grammar_and_keeps_its_tokens(engines: Any) -> None:
@@ -336,7 +337,7 @@ def test_the_model_itself_as_its_draft_has_every_greedy_proposal_kept(zoo_target
         assert decode(engine, DRAFT_PROMPTS) == expected
         proposed, kept = counters(engine)
         assert proposed > 20 and kept == proposed
-        assert engine.scheduler.speculation.blocks.used_blocks == 0  # type: ignore[union-attr]
+        assert engine.core.scheduler.speculation.blocks.used_blocks == 0  # type: ignore[union-attr]
     finally:
         engine.stop()
 
@@ -358,7 +359,8 @@ def test_another_model_as_draft_changes_no_token_greedy_or_sampled(zoo: dict[str
     try:
         assert (decode(engine, DRAFT_PROMPTS), decode(engine, DRAFT_PROMPTS, sampled)) == expected
         assert counters(engine)[0] > 0
-        assert engine.blocks.used_blocks == 0 and engine.scheduler.speculation.blocks.used_blocks == 0  # type: ignore[union-attr]
+        scheduler = engine.core.scheduler
+        assert scheduler.blocks.used_blocks == 0 and scheduler.speculation.blocks.used_blocks == 0  # type: ignore[union-attr]
     finally:
         engine.stop()
 

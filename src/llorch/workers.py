@@ -32,11 +32,13 @@ from llorch.engine.config import (
     DEFAULT_CUDA_KV_FRACTION,
     DEFAULT_SPECULATIVE_TOKENS,
     DTYPES,
+    KIND_LIMITS,
     SPECULATIVE_MODES,
 )
 from llorch.engine.factory import build_engine
 from llorch.errors import StartupError
 from llorch.logs import setup_logging
+from llorch.models.encoder import POOLINGS
 from llorch.settings import ServingSettings
 
 log = logging.getLogger("llorch.worker")
@@ -86,13 +88,20 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
                         help="jinja2 chat template to use instead of the model's own")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads for tensor ops (default: the physical cores this process may use)")
-    parser.add_argument("--max-running", type=positive_int, default=16,
-                        help="most jobs batched into one forward step (default 16)")
-    parser.add_argument("--max-queue", type=non_negative_int, default=64,
-                        help="jobs that may wait for a slot; beyond them new jobs get 503 (default 64)")
-    parser.add_argument("--max-batch-tokens", type=positive_int, default=512,
+    generate, pooled = KIND_LIMITS["generate"], KIND_LIMITS["pooled"]
+    parser.add_argument("--max-running", type=positive_int, default=None,
+                        help=f"most jobs batched into one forward step (default {generate[0]}; {pooled[0]} texts for "
+                             "embedding and rerank models)")
+    parser.add_argument("--max-queue", type=non_negative_int, default=None,
+                        help=f"jobs that may wait for a slot; beyond them new jobs get 503 (default {generate[1]}; "
+                             f"{pooled[1]} texts for embedding and rerank models)")
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=None,
                         help="prompt tokens read per step, shared by new jobs, so long prompts never "
-                             "stall running streams (default 512)")
+                             f"stall running streams (default {generate[2]}; for embedding and rerank models, "
+                             f"{pooled[2]} tokens of whole texts, counted padded to the longest)")
+    parser.add_argument("--pooling", choices=POOLINGS, default=None,
+                        help="an embedding model's pooling (mean, cls, last), or rank for a reranker's "
+                             "classification head (default: what the model's files say)")
     parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default=None,
                         help="speculative decoding: 'ngram' proposes tokens found in the job's own text, 'draft' "
                              "a draft model's guesses; one step verifies them, which never changes the output; "

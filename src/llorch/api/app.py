@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llorch.api import anthropic, llama_server, ollama, openai, responses, tokenizer_routes
+from llorch.api import anthropic, llama_server, ollama, openai, pooling, responses, tokenizer_routes
 from llorch.api.anthropic import create_anthropic_router
 from llorch.api.auth import install_bearer_auth
 from llorch.api.body import BadRequest, openapi_components, openapi_json_body, read_json
@@ -41,6 +41,7 @@ from llorch.api.llama_server import create_llama_server_router
 from llorch.api.ollama import create_ollama_router
 from llorch.api.openai import create_openai_router
 from llorch.api.page import create_page_router
+from llorch.api.pooling import create_pooling_router
 from llorch.api.responses import create_responses_router
 from llorch.api.state import WorkerState
 from llorch.api.streaming import NDJSON, SSE, frame, negotiate
@@ -79,7 +80,7 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
     app.include_router(create_anthropic_router(state))  # before the OpenAI routers: both live under /v1
     # The OpenAI routes again without the prefix, as llama-server serves them (clients whose base URL has no
     # /v1): a route added to these routers gets its alias here; errors.family_of gives them OpenAI's shape.
-    for router in (create_responses_router(state), create_openai_router(state)):
+    for router in (create_responses_router(state), create_openai_router(state), create_pooling_router(state)):
         app.include_router(router, prefix=OPENAI_PREFIX)
         app.include_router(router, include_in_schema=False)
     app.include_router(create_tokenizer_router(state))
@@ -162,7 +163,8 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             documented = (openai.OPENAPI_MODELS + anthropic.OPENAPI_MODELS + responses.OPENAPI_MODELS
-                          + ollama.OPENAPI_MODELS + tokenizer_routes.OPENAPI_MODELS + llama_server.OPENAPI_MODELS)
+                          + ollama.OPENAPI_MODELS + tokenizer_routes.OPENAPI_MODELS + llama_server.OPENAPI_MODELS
+                          + pooling.OPENAPI_MODELS)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components(documented))
             app.openapi_schema = schema
         return app.openapi_schema

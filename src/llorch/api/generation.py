@@ -44,8 +44,8 @@ def prepare_all(engine: Engine, requests: list[GenerationRequest]) -> list[Prepa
         try:
             prepared.append(engine.prepare(request))
         except RequestRejected as exc:
-            if len(requests) > 1 and exc.field == "prompt":
-                raise RequestRejected(f"prompt.{index}", exc.constraint, f"prompt {index}: {exc.message}",
+            if len(requests) > 1 and exc.field in ("prompt", "input", "documents"):
+                raise RequestRejected(f"{exc.field}.{index}", exc.constraint, f"{exc.field} {index}: {exc.message}",
                                       exc.code) from exc
             raise
     return prepared

@@ -1,4 +1,5 @@
-"""Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+"""Ollama's API: /api/chat, /api/generate, /api/embed (and the older /api/embeddings), /api/tags, /api/show,
+/api/ps, /api/version.
 
 OPENAPI_MODELS: the request bodies it documents in the app's OpenAPI schema.
 
@@ -15,8 +16,10 @@ and the error shape with the checks every route makes first ollama_errors.py's.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -26,17 +29,20 @@ from llorch.api.body import request_body
 from llorch.api.errors import error_responses
 from llorch.api.generation import tool_constraint
 from llorch.api.ollama_answer import Shape, answer
-from llorch.api.ollama_errors import OllamaError, parse_body, ready
+from llorch.api.ollama_errors import OllamaError, job_error, parse_body, ready, refusal
 from llorch.api.ollama_model import capabilities, check_model, details, listed_name, model_info
 from llorch.api.ollama_schemas import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     ChatRequest,
+    EmbedRequest,
     GenerateRequest,
     GenerationBody,
+    LegacyEmbeddingsRequest,
     ShowRequest,
 )
+from llorch.api.pooling import pooled
 from llorch.api.reasoning import reasoning_markers
 from llorch.api.state import WorkerState
 from llorch.api.streaming import NDJSON
@@ -45,7 +51,8 @@ from llorch.engine.engine import Engine
 from llorch.engine.request import GenerationRequest
 from llorch.weights.model_facts import ModelFacts
 
-OPENAPI_MODELS: tuple[type[BaseModel], ...] = (ChatRequest, GenerateRequest, ShowRequest)
+OPENAPI_MODELS: tuple[type[BaseModel], ...] = (ChatRequest, GenerateRequest, ShowRequest, EmbedRequest,
+                                                LegacyEmbeddingsRequest)
 
 # The Ollama release whose API these routes follow (thinking, streamed tool calls): apps gate features on it.
 OLLAMA_API_VERSION = "0.9.0"
@@ -60,6 +67,12 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     **error_responses(_ERROR_SCHEMA, {
         400: "Invalid or unsupported parameters", 401: "Missing or wrong API key", 404: "Not the served model",
         413: "Body too large", 500: "Generation failed", 503: "Loading, draining, busy or out of memory"}),
+}
+EMBED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The embeddings", "content": _OBJECT},
+    **error_responses(_ERROR_SCHEMA, {400: "Invalid input, or not an embedding model", 401: "Missing or wrong API key",
+                                      404: "Not the served model", 413: "Body too large", 500: "Inference failed",
+                                      503: "Loading, draining or busy"}),
 }
 SHOW_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The model's details", "content": _OBJECT},
@@ -194,4 +207,44 @@ def create_ollama_router(state: WorkerState) -> APIRouter:
         except OllamaError as exc:
             return exc.response()
 
+    @router.post("/embed", response_model=None, openapi_extra=request_body(EmbedRequest), responses=EMBED_RESPONSES)
+    async def embed(request: Request) -> Response:
+        try:
+            body = await parse_body(request, EmbedRequest)
+            engine = ready(state)
+            check_model(engine, body.model)
+            texts = [body.input] if isinstance(body.input, str) else body.input
+            started = time.perf_counter()
+            outputs = await pooled(request, engine, [GenerationRequest("", text, 0, truncate=body.truncate)
+                                                     for text in texts], refusal, job_error)
+            if isinstance(outputs, Response):
+                return outputs
+            vectors = [unit(out.values, body.dimensions) for out in outputs]
+            return JSONResponse({"model": body.model, "embeddings": vectors,
+                                 "total_duration": int((time.perf_counter() - started) * 1e9), "load_duration": 0,
+                                 "prompt_eval_count": sum(out.prompt_tokens for out in outputs)})
+        except OllamaError as exc:
+            return exc.response()
+
+    @router.post("/embeddings", response_model=None, openapi_extra=request_body(LegacyEmbeddingsRequest),
+                 responses=EMBED_RESPONSES)
+    async def embeddings(request: Request) -> Response:
+        try:
+            body = await parse_body(request, LegacyEmbeddingsRequest)
+            engine = ready(state)
+            check_model(engine, body.model)
+            outputs = await pooled(request, engine, [GenerationRequest("", body.prompt, 0, truncate=True)], refusal,
+                                   job_error)
+            if isinstance(outputs, Response):
+                return outputs
+            return JSONResponse({"embedding": list(outputs[0].values)})
+        except OllamaError as exc:
+            return exc.response()
+
     return router
+
+
+def unit(values: tuple[float, ...], dimensions: int | None) -> list[float]:
+    """An /api/embed vector as Ollama returns it: cut to `dimensions` when asked, then of unit length."""
+    vector = np.asarray(values[:dimensions] if dimensions else values, dtype=np.float64)
+    return (vector / max(float(np.linalg.norm(vector)), 1e-12)).tolist()

@@ -12,6 +12,7 @@ from typing import Any
 from llorch.api.ollama_errors import OllamaError
 from llorch.api.reasoning import reasoning_markers
 from llorch.engine.engine import Engine
+from llorch.models.encoder import EncoderConfig
 from llorch.weights.model_facts import ModelFacts
 
 LATEST = ":latest"
@@ -51,18 +52,25 @@ def model_info(engine: Engine, facts: ModelFacts) -> dict[str, Any]:
     """The model's shapes under GGUF's key names, as Ollama reports them (apps read the context length here)."""
     config = engine.model_config
     arch = config.architecture
-    return {"general.architecture": arch, "general.basename": engine.model_name,
+    info = {"general.architecture": arch, "general.basename": engine.model_name,
             "general.parameter_count": facts.parameter_count,
             f"{arch}.context_length": config.context_length, f"{arch}.embedding_length": config.hidden_size,
             f"{arch}.block_count": config.num_layers, f"{arch}.feed_forward_length": config.intermediate_size,
-            f"{arch}.attention.head_count": config.num_heads, f"{arch}.attention.head_count_kv": config.num_kv_heads,
-            f"{arch}.attention.key_length": config.head_dim, f"{arch}.attention.value_length": config.head_dim,
-            f"{arch}.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
-            f"{arch}.rope.freq_base": config.rope_theta,
-            "general.file_type": facts.quantization_level}
+            f"{arch}.attention.head_count": config.num_heads, "general.file_type": facts.quantization_level}
+    if isinstance(config, EncoderConfig):
+        info.update({f"{arch}.attention.layer_norm_epsilon": config.layer_norm_eps,
+                     f"{arch}.pooling_type": config.pooling})
+    else:
+        info.update({f"{arch}.attention.head_count_kv": config.num_kv_heads,
+                     f"{arch}.attention.key_length": config.head_dim, f"{arch}.attention.value_length": config.head_dim,
+                     f"{arch}.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+                     f"{arch}.rope.freq_base": config.rope_theta})
+    return info
 
 
 def capabilities(engine: Engine) -> list[str]:
+    if engine.kind != "generate":
+        return ["embedding"]
     found = ["completion", "tools"]  # every template can call tools (the default convention when it knows none)
     if reasoning_markers(engine.chat_template.source if engine.chat_template else None):
         found.append("thinking")

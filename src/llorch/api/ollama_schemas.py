@@ -28,6 +28,7 @@ from llorch.api.fields import (
 )
 from llorch.api.openai_fields import MAX_TOP_LOGPROBS, FunctionName
 from llorch.api.openai_tools import MAX_TOOLS, FunctionDefinition
+from llorch.api.pooling_schemas import MAX_INPUTS, Text, check_texts
 from llorch.engine.request import Constraint, SamplingParams
 
 # Ollama's documented defaults for a model whose Modelfile sets none.
@@ -283,3 +284,34 @@ class ShowRequest(Strict):
     @property
     def model_name(self) -> str:
         return self.model or self.name or ""
+
+
+class EmbedRequest(Strict):
+    """/api/embed: one text or a list; Ollama cuts texts past the context unless `truncate` is false."""
+
+    model: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+    truncate: bool = True
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] | None = None  # runtime settings (threads, context): none changes a vector
+    keep_alive: str | int | None = None  # the model stays loaded for the worker's life
+
+    @field_validator("input")
+    @classmethod
+    def _texts(cls, value: str | list[str]) -> str | list[str]:
+        check_texts([value] if isinstance(value, str) else value, "input")
+        return value
+
+
+class LegacyEmbeddingsRequest(Strict):
+    """/api/embeddings, the older route: one prompt, its vector not normalized by the route."""
+
+    model: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    prompt: Text
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _text(cls, value: str) -> str:
+        return check_texts([value], "prompt")[0]

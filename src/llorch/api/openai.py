@@ -48,9 +48,12 @@ OPENAPI_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatCompletion
 
 def model_card(engine: Engine) -> dict[str, Any]:
     """The served model as OpenAI's model object, with llorch's facts about it."""
-    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "llorch",
+    card = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "llorch", "kind": engine.kind,
             "context_length": engine.ctx_size, "max_model_len": engine.ctx_size,
             "chat_template": engine.chat_template.name if engine.chat_template else None}
+    if engine.kind == "embed":
+        card["dimensions"] = engine.model_config.dimensions  # type: ignore[union-attr]
+    return card
 
 
 def ready(state: WorkerState) -> Engine:

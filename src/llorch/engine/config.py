@@ -6,7 +6,7 @@ Building an engine from it (and the policies that size it) is the factory's work
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,6 +15,10 @@ DEFAULT_CPU_KV_MB = 512
 DEFAULT_CUDA_KV_FRACTION = 0.5
 SPECULATIVE_MODES = ("ngram", "draft", "off")
 DEFAULT_SPECULATIVE_TOKENS = 16
+# (max_running, max_queue, max_batch_tokens) by kind. A generating job holds a slot for its whole life; a pooled
+# one (an embedding, a rerank pair) for one step, and a request brings up to 2048 of them at once. An encoder
+# step reads whole texts: its token budget counts every text padded to the batch's longest.
+KIND_LIMITS = {"generate": (16, 64, 512), "pooled": (64, 4096, 8192)}
 
 
 @dataclass(frozen=True)
@@ -22,9 +26,10 @@ class EngineConfig:
     model: str | None = None  # GGUF file or Hugging Face directory; None: the embedded default model
     dtype: str = "auto"  # auto | f32 | bf16 | f16
     ctx_size: int | None = None  # prompt + generated tokens per job; None: the model's context
-    max_running: int = 16  # jobs batched into one forward step
-    max_queue: int = 64  # jobs that may wait for a slot
-    max_batch_tokens: int = 512  # prompt tokens read per step
+    # None: the default of the model's kind (KIND_LIMITS), resolved by the factory.
+    max_running: int | None = None  # jobs batched into one forward step
+    max_queue: int | None = None  # jobs that may wait for a slot
+    max_batch_tokens: int | None = None  # prompt tokens read per step
     kv_cache_bytes: int | None = None  # None: the device's default, at most max_running full contexts
     prefix_caching: bool = True
     request_timeout: float | None = None
@@ -37,6 +42,13 @@ class EngineConfig:
     speculative: str | None = None
     draft_model: str | None = None  # GGUF file or Hugging Face directory of the same vocabulary
     speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS  # proposals per row and step, at most
+    pooling: str | None = None  # an embedding model's pooling (mean, cls, last) or rank; None: its files'
+
+    def with_limits(self, kind: str) -> EngineConfig:
+        """The batching limits the operator left unset, at the defaults of the model's kind."""
+        running, queued, tokens = KIND_LIMITS["generate" if kind == "generate" else "pooled"]
+        return replace(self, max_running=self.max_running or running, max_queue=queued if self.max_queue is None
+                       else self.max_queue, max_batch_tokens=self.max_batch_tokens or tokens)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -46,4 +58,5 @@ class EngineConfig:
                    prefix_caching=not args.no_prefix_cache, request_timeout=args.request_timeout,
                    max_prompt_tokens=args.max_prompt_tokens, dequantize=getattr(args, "dequantize", False),
                    chat_template_file=args.chat_template_file, speculative=args.speculative,
-                   draft_model=args.draft_model, speculative_tokens=args.speculative_tokens)
+                   draft_model=args.draft_model, speculative_tokens=args.speculative_tokens,
+                   pooling=getattr(args, "pooling", None))

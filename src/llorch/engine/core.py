@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from llorch.engine.grammar import KIND_NAMES, engine_message, explained
 from llorch.engine.masks import GrammarMasks, PendingMasks, mask_proposals
-from llorch.engine.plan import Chunk, logit_rows
+from llorch.engine.plan import Chunk, RowOutput, StepOutput, logit_rows
 from llorch.engine.request import ErrorCode, StopReason
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.engine.sampler import Sampled, SamplerState, sample_batch
@@ -33,32 +32,9 @@ from llorch.engine.scoring import score_rows
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
 from llorch.engine.verify import verify
+from llorch.engine.views import EngineStats
 
 log = logging.getLogger("llorch.engine")
-
-Scores = list[tuple[float, tuple[tuple[int, float], ...]]]
-
-
-@dataclass
-class RowOutput:
-    """One sampling row of a step: what was drawn, what the scheduler appended, and whether that ended it."""
-
-    seq: Sequence
-    sampled: list[Sampled]
-    accepted: list[int]
-    reason: StopReason | None
-
-
-@dataclass
-class StepOutput:
-    """What one step did to each job, in the order its events must go out: scores, tokens, ends."""
-
-    admitted: list[Sequence] = field(default_factory=list)  # running for the first time
-    scores: list[tuple[Sequence, int, Scores]] = field(default_factory=list)  # (job, first prompt position, scores)
-    rows: list[RowOutput] = field(default_factory=list)
-    finished: list[tuple[Sequence, StopReason]] = field(default_factory=list)  # ended without a row (max_tokens=0)
-    failed: list[tuple[Sequence, ErrorCode, str]] = field(default_factory=list)
-
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, telemetry: Telemetry) -> None:
@@ -78,9 +54,34 @@ class EngineCore:
     def idle(self) -> bool:
         return self.scheduler.idle
 
+    @property
+    def block_size(self) -> int:
+        return self.runner.kv.block_size
+
+    @property
+    def resident_bytes(self) -> int:
+        """The weights and the KV pool, a draft model's too."""
+        speculation = self.scheduler.speculation
+        return self.runner.resident_bytes + (speculation.resident_bytes if speculation is not None else 0)
+
     def sequences(self) -> list[Sequence]:
         """Every sequence the core holds: running, then waiting."""
         return [*self.scheduler.running, *self.scheduler.waiting]
+
+    def find(self, job_id: str) -> Sequence | None:
+        return self.scheduler.find(job_id)
+
+    def stats(self, jobs_in_flight: int) -> EngineStats:
+        counter, blocks = self.telemetry.registry.get_sample_value, self.scheduler.blocks
+        return EngineStats(
+            jobs_in_flight=jobs_in_flight, waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            kv_blocks_used=blocks.used_blocks, kv_blocks_cached=blocks.cached_blocks,
+            kv_bytes_used=blocks.used_blocks * self.runner.kv.block_bytes, kv_bytes_capacity=self.runner.kv.bytes,
+            weights_bytes=self.runner.weight_bytes,
+            prefix_cache_hit_tokens=int(counter("llorch_prefix_cache_hit_tokens_total") or 0),
+            preemptions=int(counter("llorch_preemptions_total") or 0),
+            generated_tokens=int(counter("llorch_generated_tokens_total") or 0),
+            grammar_states=sum(s.matcher is not None for s in self.sequences()))
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

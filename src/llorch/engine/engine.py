@@ -24,21 +24,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llorch.engine.core import EngineCore, StepOutput
+from llorch.engine.core import EngineCore
+from llorch.engine.encoder_core import EncoderCore
 from llorch.engine.errors import DuplicateJob, QueueFull
-from llorch.engine.grammar import Grammars
-from llorch.engine.kv.blocks import BlockAllocator
 from llorch.engine.output import OutputProcessor
+from llorch.engine.plan import StepOutput
 from llorch.engine.prepare import FrontDoor
 from llorch.engine.request import ErrorCode, Event, GenerationRequest, PreparedJob, StopReason
-from llorch.engine.runner import ModelRunner
-from llorch.engine.scheduler import Scheduler
 from llorch.engine.sequence import Sequence, SequenceState
-from llorch.engine.speculative import NgramSpeculation
 from llorch.engine.telemetry import Telemetry
 from llorch.engine.tokens import TokenFacts
 from llorch.engine.views import EngineStats, JobView
 from llorch.models.config import ModelConfig
+from llorch.models.encoder import EncoderConfig
 from llorch.weights.chat_template import ChatTemplate
 from llorch.weights.model_facts import ModelFacts, facts_or_unknown
 from llorch.weights.tokenizer import Tokenizer
@@ -50,27 +48,25 @@ log = logging.getLogger("llorch.engine")
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, *, model_name: str,
-                 model_id: str, chat_template: ChatTemplate | None = None, telemetry: Telemetry | None = None,
-                 model_path: Path | None = None, speculation: NgramSpeculation | None = None) -> None:
-        assert config.ctx_size is not None, "build_engine resolves the context size"
-        self.runner = runner
+    """The shell around a core: the generating core (core.py) or an encoder's (encoder_core.py), assembled by
+    the factory with the front door that prepares its jobs."""
+
+    def __init__(self, core: EngineCore | EncoderCore, front: FrontDoor, tokenizer: Tokenizer, config: EngineConfig,
+                 *, model_name: str, model_id: str, telemetry: Telemetry, model_path: Path | None = None) -> None:
+        assert config.ctx_size is not None and config.max_running is not None, "build_engine resolves the limits"
+        self.core = core
+        self.runner = core.runner
         self.model_path = model_path  # the served file or directory (None: built from a model already loaded)
         self._facts: ModelFacts | None = None
         self.config = config
         self.model_name = model_name
         self.model_id = model_id
+        self.kind = front.kind  # "generate", "embed" or "rerank"
         self.ctx_size = config.ctx_size
-        self.device = runner.device
+        self.device = core.runner.device
         self.tokens = TokenFacts(tokenizer)  # the tokenizer as the API layers may see it
-        self.grammars = Grammars(tokenizer, runner.config.vocab_size)
-        self.front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
-                               self.grammars, runner.config.vocab_size)
-        self.blocks = BlockAllocator(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_running, config.max_batch_tokens,
-                                   tokenizer.eos_token_ids, speculation)
-        self.telemetry = telemetry or Telemetry()
-        self.core = EngineCore(runner, self.scheduler, self.telemetry)
+        self.front = front
+        self.telemetry = telemetry
         self.output = OutputProcessor(tokenizer, model_name, self.telemetry, lambda: self.resident_bytes)
         self._queued = 0  # accepted jobs never admitted yet (guarded by _jobs_lock)
         self._arrivals = 0
@@ -97,18 +93,17 @@ class Engine:
     @property
     def resident_bytes(self) -> int:
         """Bytes the weights and the KV pool hold on the device (the contract's vram_bytes), a draft model's too."""
-        speculation = self.scheduler.speculation
-        return self.runner.resident_bytes + (speculation.resident_bytes if speculation is not None else 0)
+        return self.core.resident_bytes
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> ModelConfig | EncoderConfig:
         """The model's shapes and switches (a fact for listings; nothing to change)."""
         return self.runner.config
 
     def model_facts(self) -> ModelFacts:
         """The model file's facts for listings, read once (it hashes the file unless a load already did)."""
         if self._facts is None:
-            self._facts = facts_or_unknown(self.model_path, self.runner.config, self.runner.weight_bytes)
+            self._facts = facts_or_unknown(self.model_path, self.runner.parameter_count, self.runner.weight_bytes)
         return self._facts
 
     @property
@@ -139,7 +134,7 @@ class Engine:
                 raise QueueFull(f"{waiting} jobs are already waiting (--max-queue {self.config.max_queue})")
             self._queued += 1
             self._arrivals += 1
-            seq = Sequence(job, seed, self._arrivals, self.runner.kv.block_size)
+            seq = Sequence(job, seed, self._arrivals, self.core.block_size)
             self.output.open(request.job_id, request.stop, emit)
             self._jobs[request.job_id] = seq
         self.telemetry.accepted.inc()
@@ -170,18 +165,7 @@ class Engine:
                         len(seq.prompt_ids), len(seq.output_ids), seq.request.prompt) for seq in seqs]
 
     def stats(self) -> EngineStats:
-        counter = self.telemetry.registry.get_sample_value
-        return EngineStats(
-            jobs_in_flight=self.jobs_in_flight, waiting=len(self.scheduler.waiting),
-            running=len(self.scheduler.running), kv_blocks_used=self.blocks.used_blocks,
-            kv_blocks_cached=self.blocks.cached_blocks,
-            kv_bytes_used=self.blocks.used_blocks * self.runner.kv.block_bytes,
-            kv_bytes_capacity=self.runner.kv.bytes, weights_bytes=self.runner.weight_bytes,
-            prefix_cache_hit_tokens=int(counter("llorch_prefix_cache_hit_tokens_total") or 0),
-            preemptions=int(counter("llorch_preemptions_total") or 0),
-            generated_tokens=int(counter("llorch_generated_tokens_total") or 0),
-            grammar_states=sum(s.matcher is not None for s in [*self.scheduler.running, *self.scheduler.waiting]),
-        )
+        return self.core.stats(self.jobs_in_flight)
 
     # -- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
@@ -215,7 +199,7 @@ class Engine:
                 assert isinstance(payload, Sequence)
                 self._accepted(payload)
             elif kind == "cancel":
-                seq = self.scheduler.find(str(payload))
+                seq = self.core.find(str(payload))
                 if seq is not None:
                     log.info("cancel requested", extra={"job_id": seq.job_id, "state": seq.state.value})
                     self._finish(seq, StopReason.CANCELLED)  # between steps: its blocks are free at once
@@ -239,6 +223,10 @@ class Engine:
             elif row.reason is not None and self._live(row.seq):
                 self._ended(row.seq)
                 self.output.finish(row.seq, row.reason)
+        for seq, values in out.pooled:
+            self._guarded(seq, self.output.pooled, seq, values)  # its terminal event, unless that fails it
+            if self._live(seq):
+                self._ended(seq)
         for seq, reason in out.finished:
             if self._live(seq):
                 self._ended(seq)

@@ -18,10 +18,16 @@ from pathlib import Path
 import torch
 
 from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES, EngineConfig
+from llorch.engine.core import EngineCore
 from llorch.engine.draft import DraftSpeculation
+from llorch.engine.encoder_core import EncoderCore, EncoderRunner
 from llorch.engine.engine import Engine
+from llorch.engine.grammar import Grammars
+from llorch.engine.kv.blocks import BlockAllocator
 from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
+from llorch.engine.prepare import FrontDoor
 from llorch.engine.runner import ModelRunner
+from llorch.engine.scheduler import Scheduler
 from llorch.engine.speculative import SPECULATIVE_MAX_ROWS, NgramSpeculation
 from llorch.engine.telemetry import Telemetry
 from llorch.errors import StartupError
@@ -32,6 +38,9 @@ from llorch.models.step_batch import contiguous_step
 from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
+from llorch.weights.encoder_gguf import ENCODER_ARCHITECTURES, load_gguf_encoder
+from llorch.weights.encoder_model import is_encoder, load_encoder
+from llorch.weights.gguf import leading_architecture
 from llorch.weights.loader import LoadedModel, load_model, read_template_file
 from llorch.weights.tokenizer import Tokenizer
 
@@ -172,9 +181,16 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     """Load the model (unless `loaded` is given) and assemble its runner and engine, not yet started."""
     device = device or torch.device("cpu")
     check_speculative_flags(config)
+    telemetry = telemetry or Telemetry()
+    path = Path(config.model) if config.model else None
+    if loaded is None and path is not None and holds_encoder(path):
+        return encoder_engine(config, path, device, telemetry)
+    if config.pooling is not None:
+        raise StartupError(f"--pooling is for embedding and rerank models; {path or 'the default model'} generates")
+    config = config.with_limits("generate")
     if loaded is None:
         dtype = resolve_dtype(config.dtype, device)
-        loaded = load_model(config.model or default_model_path(), device, dtype, progress=progress,
+        loaded = load_model(path or default_model_path(), device, dtype, progress=progress,
                             keep_quantized=keeps_quantized(config, device))
     prove_finite_logits(loaded, device)
     release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
@@ -187,16 +203,73 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     speculation = (draft_speculation(config, runner, loaded.tokenizer, device) if speculative == "draft"
                    else NgramSpeculation(config.speculative_tokens, SPECULATIVE_MAX_ROWS) if speculative == "ngram"
                    else None)
-    engine = Engine(runner, loaded.tokenizer, replace(config, ctx_size=ctx_size, speculative=speculative),
-                    speculation=speculation, model_name=loaded.name,
-                    model_id=loaded.model_id, chat_template=load_chat_template(config.chat_template_file, loaded),
-                    telemetry=telemetry, model_path=loaded.path)
+    config = replace(config, ctx_size=ctx_size, speculative=speculative)
+    engine = decoder_engine(runner, loaded.tokenizer, config, load_chat_template(config.chat_template_file, loaded),
+                            speculation, telemetry, model_name=loaded.name, model_id=loaded.model_id,
+                            model_path=loaded.path)
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     engine.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
-                                 "dtype": dtype_name})
+                                 "dtype": dtype_name, "kind": "generate"})
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(device),
-                                    "dtype": dtype_name, "threads": torch.get_num_threads(),
+                                    "dtype": dtype_name, "threads": torch.get_num_threads(), "kind": "generate",
                                     "weights": "gguf blocks" if loaded.quantized else "dense",
                                     "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes,
                                     "speculative": speculative, "speculative_tokens": config.speculative_tokens})
+    return engine
+
+
+def holds_encoder(path: Path) -> bool:
+    """Whether a model file or directory holds an embedding or rerank encoder (else: a generating decoder)."""
+    if path.is_dir():
+        return is_encoder(path)
+    return path.is_file() and leading_architecture(path) in ENCODER_ARCHITECTURES
+
+
+def decoder_engine(runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, chat_template: ChatTemplate | None,
+                   speculation: NgramSpeculation | None, telemetry: Telemetry, *, model_name: str, model_id: str,
+                   model_path: Path | None = None) -> Engine:
+    """A generating engine around a runner: its KV blocks, scheduler, core and front door."""
+    assert config.ctx_size is not None and config.max_running is not None and config.max_batch_tokens is not None
+    blocks = BlockAllocator(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
+    scheduler = Scheduler(blocks, config.max_running, config.max_batch_tokens, tokenizer.eos_token_ids, speculation)
+    front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
+                      Grammars(tokenizer, runner.config.vocab_size), runner.config.vocab_size)
+    return Engine(EngineCore(runner, scheduler, telemetry), front, tokenizer, config, model_name=model_name,
+                  model_id=model_id, telemetry=telemetry, model_path=model_path)
+
+
+def encoder_engine(config: EngineConfig, path: Path, device: torch.device, telemetry: Telemetry) -> Engine:
+    """An embedding or rerank model's engine: the encoder, its core, and a front door without chat or grammar."""
+    if config.speculative not in (None, "off") or config.draft_model:
+        raise StartupError(f"{path}: speculative decoding is for generation; this is an embedding or rerank model")
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = (load_encoder(path, device, dtype, config.pooling) if path.is_dir()
+              else load_gguf_encoder(path, device, dtype, config.pooling))
+    ctx_size = config.ctx_size or loaded.config.context_length
+    if not 0 < ctx_size <= loaded.config.context_length:
+        source = "--ctx-size" if config.ctx_size else "the model's context"
+        raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
+    config = replace(config.with_limits(loaded.kind), ctx_size=ctx_size, speculative="off")
+    assert config.max_running is not None and config.max_batch_tokens is not None
+    runner = EncoderRunner(loaded.model, device, loaded.dtype)
+    # The start-up proof that it computes (and its first, slowest forward): a probe text must pool to finite values.
+    probe, types, _ = loaded.tokenizer.encode_for_pooling(PROBE_TEXT, PROBE_TEXT if loaded.kind == "rerank" else None,
+                                                          ctx_size)
+    with torch.inference_mode():
+        values = loaded.model(torch.tensor(probe, device=device), torch.tensor(types, device=device), [len(probe)])
+    if not bool(torch.isfinite(values).all()):
+        raise StartupError(f"{path}: the model computes values that are not finite on a test text: its weights or "
+                           "its configuration (a norm epsilon, the compute dtype) overflow; it cannot be served")
+    core = EncoderCore(runner, config.max_running, max(config.max_batch_tokens, ctx_size), telemetry)
+    front = FrontDoor(loaded.tokenizer, None, ctx_size, ctx_size, config.max_prompt_tokens, None,
+                      loaded.config.vocab_size, kind=loaded.kind)
+    engine = Engine(core, front, loaded.tokenizer, config, model_name=loaded.name, model_id=loaded.model_id,
+                    telemetry=telemetry, model_path=path)
+    dtype_name = str(loaded.dtype).removeprefix("torch.")
+    telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
+                          "dtype": dtype_name, "kind": loaded.kind})
+    log.info("model loaded", extra={"model": loaded.name, "path": str(path), "device": str(device), "dtype": dtype_name,
+                                    "threads": torch.get_num_threads(), "kind": loaded.kind,
+                                    "pooling": loaded.config.pooling, "dimensions": loaded.config.dimensions,
+                                    "context": ctx_size})
     return engine

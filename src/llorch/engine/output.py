@@ -31,6 +31,7 @@ from llorch.engine.request import (
     ErrorCode,
     Event,
     Metrics,
+    Pooled,
     PromptLogprobs,
     Started,
     StopReason,
@@ -154,6 +155,20 @@ class OutputProcessor:
         if seq.speculation is not None and seq.speculation.proposed:
             extra.update(proposed_tokens=seq.speculation.proposed, accepted_proposals=seq.speculation.accepted)
         log.info("job finished", extra=extra)
+
+    def pooled(self, seq: Sequence, values: tuple[float, ...]) -> None:
+        """A pooled job's vector or score, then its `end`."""
+        if not all(math.isfinite(v) for v in values):
+            raise NonFiniteLogits("the model computed a value that is not finite for this input (its weights or "
+                                  "configuration overflow)")
+        self._emit(seq, Pooled(values, len(seq.prompt_ids)))
+        out = self._job(seq)
+        elapsed_ms = (time.perf_counter() - out.decode_started) * 1000 if out.decode_started else 0.0
+        self.telemetry.pooled_inputs.labels(kind="rerank" if seq.request.pair is not None else "embed").inc()
+        self.telemetry.requests.labels(outcome="max_tokens").inc()
+        self._close(seq, End(0, round(elapsed_ms, 3), StopReason.MAX_TOKENS))
+        log.info("job finished", extra={"job_id": seq.job_id, "pooled_values": len(values),
+                                        "time_ms": round(elapsed_ms, 3)})
 
     def fail(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         self.telemetry.requests.labels(outcome=f"error_{code.value.lower()}").inc()

@@ -1,12 +1,16 @@
-"""What one engine step computes, as the scheduler plans it and accepts its results."""
+"""What one engine step computes, as the scheduler plans it and accepts its results, and what it did to each job."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from llorch.engine.request import StopReason
+from llorch.engine.request import ErrorCode, StopReason
 from llorch.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from llorch.engine.sampler import Sampled
 
 
 @dataclass
@@ -52,3 +56,28 @@ def logit_rows(sampling: list[Sequence], keep: Iterable[int], first_only: bool =
     if first_only:
         return [firsts[i] for i in keep]
     return [row for i in keep for row in range(firsts[i], firsts[i] + 1 + len(sampling[i].draft))]
+
+
+Scores = list[tuple[float, tuple[tuple[int, float], ...]]]
+
+
+@dataclass
+class RowOutput:
+    """One sampling row of a step: what was drawn, what the scheduler appended, and whether that ended it."""
+
+    seq: Sequence
+    sampled: list[Sampled]
+    accepted: list[int]
+    reason: StopReason | None
+
+
+@dataclass
+class StepOutput:
+    """What one step did to each job, in the order its events must go out: scores, tokens, ends."""
+
+    admitted: list[Sequence] = field(default_factory=list)  # running for the first time
+    scores: list[tuple[Sequence, int, Scores]] = field(default_factory=list)  # (job, first prompt position, scores)
+    rows: list[RowOutput] = field(default_factory=list)
+    finished: list[tuple[Sequence, StopReason]] = field(default_factory=list)  # ended without a row (max_tokens=0)
+    pooled: list[tuple[Sequence, tuple[float, ...]]] = field(default_factory=list)  # a pooled job's vector or score
+    failed: list[tuple[Sequence, ErrorCode, str]] = field(default_factory=list)

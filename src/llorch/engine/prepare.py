@@ -19,8 +19,10 @@ from llorch.weights.tokenizer import TokenizationError, Tokenizer
 
 class FrontDoor:
     def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, ctx_size: int, pool_tokens: int,
-                 max_prompt_tokens: int | None, grammars: Grammars, vocab_size: int) -> None:
+                 max_prompt_tokens: int | None, grammars: Grammars | None, vocab_size: int, kind: str = "generate"
+                 ) -> None:
         self.tokenizer = tokenizer
+        self.kind = kind  # what the model is served for: "generate", "embed" or "rerank"
         self.vocab_size = vocab_size  # the model's: token ids at or past it have no embedding
         self.grammars = grammars
         self.chat_template = chat_template
@@ -35,6 +37,9 @@ class FrontDoor:
         return min(self.ctx_size, self.pool_tokens)
 
     def prepare(self, request: GenerationRequest) -> PreparedJob:
+        self.check_kind(request)
+        if request.pooled:
+            return self.prepare_pooled(request)
         given: list[int] = []
         if request.messages is not None:
             # The template spells BOS itself.
@@ -59,10 +64,45 @@ class FrontDoor:
             max_tokens = max(1, self.max_sequence_tokens - len(ids))
         self.check_fits(len(ids), max_tokens)
         # Compiled after the cheap checks: a grammar can take a while, and the job may not fit anyway.
-        grammar = self.grammars.compile(request.constraint) if request.constraint is not None else None
+        grammar = self.grammars.compile(request.constraint) if request.constraint is not None else None  # type: ignore[union-attr]
         prepared = replace(request, prompt=prompt, add_special_tokens=add_special, messages=None, tools=None)
         added_bos = prompt is None and len(ids) > len(given)
         return PreparedJob(prepared, tuple(ids), max_tokens, grammar, added_bos=added_bos)
+
+    def check_kind(self, request: GenerationRequest) -> None:
+        """A generation request to an embedding or rerank model, or the reverse, is refused naming the model's kind."""
+        wanted = ("rerank" if request.pair is not None else "embed") if request.pooled else "generate"
+        if wanted == self.kind:
+            return
+        served = {"generate": "a generation model", "embed": "an embedding model (POST /v1/embeddings)",
+                  "rerank": "a reranking model (POST /v1/rerank)"}[self.kind]
+        asked = {"generate": "generate text", "embed": "embed text", "rerank": "rerank documents"}[wanted]
+        raise RequestRejected("model", f"a {wanted} model", f"this worker serves {served}; it cannot {asked}",
+                              code="model_kind_mismatch")
+
+    def prepare_pooled(self, request: GenerationRequest) -> PreparedJob:
+        """An input to embed or a pair to score: tokenized with the model's special tokens, within its context."""
+        field = "input" if request.pair is None else "documents"
+        if request.prompt_ids is not None:
+            ids, types = self.check_token_ids(request.prompt_ids, field), [0] * len(request.prompt_ids)
+            length = len(ids)
+            if request.truncate:
+                ids, types = ids[: self.ctx_size], types[: self.ctx_size]
+        else:
+            try:
+                ids, types, length = self.tokenizer.encode_for_pooling(
+                    request.prompt or "", request.pair, self.ctx_size if request.truncate else None)
+            except TokenizationError as exc:
+                raise RequestRejected(field, "tokenizes with the model's tokenizer", str(exc)) from exc
+        if not ids:
+            raise RequestRejected(field, "at least one token", "an input is empty: it has no tokens",
+                                  code="empty_prompt")
+        if len(ids) > self.ctx_size:
+            raise RequestRejected(field, f"<= {self.ctx_size} tokens", f"an input is {length} tokens; this model reads "
+                                  f"at most {self.ctx_size} (ask for truncation to cut it)",
+                                  code="context_length_exceeded")
+        self.check_fits(len(ids), 0)  # --max-prompt-tokens
+        return PreparedJob(request, tuple(ids), 0, type_ids=tuple(types))
 
     def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
         """The text's token ids; a tokenizer failure is this request's 400, not the server's error."""

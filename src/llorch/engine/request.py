@@ -78,6 +78,12 @@ class GenerationRequest:
     # Score the prompt: each prompt token's log-probability given the tokens before it, with this many
     # top alternatives (None: off). The first token has none.
     prompt_logprobs: int | None = None
+    # A prompt-only job of an embedding or rerank model: its output is one pooled vector (or score), not
+    # tokens. `pair` is a rerank pair's second text (the document); `truncate` cuts a text longer than the
+    # model's context instead of refusing it.
+    pooled: bool = False
+    pair: str | None = None
+    truncate: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class PreparedJob:
     grammar: Any = None  # the compiled constraint (engine.grammar.CompiledGrammar), when the request has one
     # BOS was put in front of token ids given without it: prompt_ids[0] is not the client's.
     added_bos: bool = False
+    type_ids: tuple[int, ...] = ()  # a pooled job's segment of each token (an encoder's pair: 0 query, 1 document)
 
     def for_choice(self, job_id: str, sampling: SamplingParams) -> PreparedJob:
         """The same prompt as another job (one of an OpenAI request's n choices)."""
@@ -163,6 +170,16 @@ class PromptLogprobs(Event):
     entries: tuple[TokenLogprob, ...]
 
     type: ClassVar[str] = "prompt_logprobs"
+
+
+@dataclass(frozen=True)
+class Pooled(Event):
+    """A pooled job's output: its embedding, or its relevance score as one value; the `end` follows."""
+
+    values: tuple[float, ...]
+    prompt_tokens: int
+
+    type: ClassVar[str] = "pooled"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from llorch.engine.kv.block_table import slots_of
 from llorch.engine.kv.pool import KVPool
 from llorch.models.decoder import Decoder
 from llorch.models.step_batch import ChunkSlots, build_step
+from llorch.weights.model_facts import parameter_count
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class ModelRunner:
     def resident_bytes(self) -> int:
         """Bytes the model and its KV pool hold on the device (the contract's vram_bytes)."""
         return self.weight_bytes + self.kv.bytes
+
+    @property
+    def parameter_count(self) -> int:
+        return parameter_count(self.config)  # from the shapes: GGUF blocks hold several values a byte
 
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkInput]) -> Tensor:

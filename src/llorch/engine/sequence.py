@@ -32,6 +32,7 @@ class Sequence:
         self.job_id = job.request.job_id
         self.max_tokens = job.max_tokens
         self.prompt_ids = list(job.prompt_ids)
+        self.type_ids = job.type_ids  # a pooled job's segment ids (an encoder reads them beside the tokens)
         self.output_ids: list[int] = []
         self.token_ids = list(job.prompt_ids)  # prompt + output: what the KV cache must come to hold
         self.arrival = arrival  # first come, first served: the order jobs were accepted in

@@ -41,5 +41,7 @@ class Telemetry:
             "llorch_speculative_proposed_tokens", "Tokens proposed to decoding rows for verification", registry=r)
         self.accepted_proposals = Counter(
             "llorch_speculative_accepted_tokens", "Proposed tokens verification kept", registry=r)
+        self.pooled_inputs = Counter("llorch_pooled_inputs", "Texts embedded and pairs scored, by kind (embed, rerank)",
+                                     ["kind"], registry=r)
         self.weights_bytes = Gauge("llorch_weights_bytes", "Bytes of model weights on the device", registry=r)
         self.model = Info("llorch_model", "The served model and device", registry=r)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llorch.device import physical_cores
+from llorch.engine.config import EngineConfig
 from llorch.logs import setup_logging
 from llorch.settings import ServingSettings
 from llorch.workers import build_parser, failure_line, positive_int, report_failure
@@ -81,10 +82,11 @@ def parse_options(argv: list[str] | None = None) -> tuple[ClusterOptions, argpar
     replica = ServingSettings.from_args(own.backend, worker)
     if own.backend == "cpu" and worker.threads is None:
         replica = replace(replica, threads=max(1, int(cpus)))
+    limits = EngineConfig.from_args(worker).with_limits("generate")  # replicas serve generation models
     options = ClusterOptions(
         backend=own.backend, replicas=own.replicas, replica_cpus=cpus,
         replica_gpus=own.replica_gpus if own.backend == "cuda" else 0.0, replica=replica,
-        max_ongoing=worker.max_running + worker.max_queue + CONTROL_HEADROOM,
+        max_ongoing=limits.max_running + limits.max_queue + CONTROL_HEADROOM,  # type: ignore[operator]
         front_max_ongoing=worker.max_connections, drain_timeout=worker.drain_timeout, imbalance=own.router_imbalance,
         ray_address=own.ray_address)
     return options, worker

@@ -321,3 +321,32 @@ def _dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
     scales = blocks[:, :2].contiguous().view(torch.float16).float()
     quants = blocks[:, 2:].contiguous().view(torch.int8).float()
     return (quants * scales).reshape(raw.shape[0], -1)
+
+
+def leading_architecture(path: Path, keys: int = 8) -> str | None:
+    """general.architecture when it is among a file's first metadata entries (converters write it first), read
+    without parsing the header: what kind of model a file holds, before choosing how to load it. None when it
+    is not found there (the full parse then names the problem)."""
+    try:
+        with path.open("rb") as handle:
+            if handle.read(4) != GGUF_MAGIC:
+                return None
+            handle.read(4 + 8 + 8)  # version, tensor count, metadata count
+            for _ in range(keys):
+                (length,) = struct.unpack("<Q", handle.read(8))
+                if length > limits.MAX_METADATA_KEY_BYTES:
+                    return None
+                key = handle.read(length)
+                (vtype,) = struct.unpack("<I", handle.read(4))
+                if vtype == _STRING:
+                    (size,) = struct.unpack("<Q", handle.read(8))
+                    if key == b"general.architecture":
+                        return handle.read(min(size, 256)).decode("utf-8", "replace")
+                    handle.seek(size, 1)
+                elif vtype in _SCALAR_FORMATS:
+                    handle.seek(struct.calcsize(_SCALAR_FORMATS[vtype][0]), 1)
+                else:  # an array: stop looking
+                    return None
+    except (OSError, struct.error):
+        return None
+    return None

@@ -52,6 +52,9 @@ GEMMA3_DEFAULT_SLIDING_PATTERN = 6
 # The safetensors types we load (README: F32, F16, BF16), and their sizes.
 SAFETENSORS_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 SAFETENSORS_MAX_DIMS = 8
+# Integer buffers older transformers saved beside the weights (BERT's position and type ids): skipped.
+SAFETENSORS_BUFFERS = {"I64": 8, "I32": 4}
+BUFFER_SUFFIXES = (".position_ids", ".token_type_ids")
 
 
 def config_from_hf(directory: Path, weight_names: set[str]) -> ModelConfig:
@@ -322,6 +325,9 @@ def safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
         if not isinstance(dtype, str) or not isinstance(shape, list) or len(shape) > SAFETENSORS_MAX_DIMS or not all(
                 isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= size for d in shape):
             raise invalid(f"tensor {name} has no valid dtype and shape")
+        if dtype in SAFETENSORS_BUFFERS and name.endswith(BUFFER_SUFFIXES) and math.prod(shape) * SAFETENSORS_BUFFERS[
+                dtype] <= size:
+            continue
         if dtype not in SAFETENSORS_DTYPES:
             raise ModelFileError(file, f"tensor {name} has dtype {dtype}, which is not supported (supported: "
                                  f"{', '.join(sorted(SAFETENSORS_DTYPES))})")

@@ -43,16 +43,16 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def unknown_facts(config: ModelConfig, weight_bytes: int) -> ModelFacts:
+def unknown_facts(parameters: int, weight_bytes: int) -> ModelFacts:
     """Placeholders for a model whose file is not known: its size in memory, no digest, the time of asking."""
-    return ModelFacts("gguf", weight_bytes, "", utc_now(), "unknown", parameter_count(config))
+    return ModelFacts("gguf", weight_bytes, "", utc_now(), "unknown", parameters)
 
 
-def read_model_facts(path: Path, config: ModelConfig) -> ModelFacts:
+def read_model_facts(path: Path, parameters: int) -> ModelFacts:
     """A GGUF file's size, sha256 (cached since loading computed it) and quantization; a Hugging Face
     directory's size, a digest of its listing (not of gigabytes of weights) and dtype."""
     modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat().replace("+00:00", "Z")
-    count = parameter_count(config)
+    count = parameters
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file())
         listing = "\n".join(f"{p.name} {p.stat().st_size}" for p in files)
@@ -68,10 +68,10 @@ def read_model_facts(path: Path, config: ModelConfig) -> ModelFacts:
     return ModelFacts("gguf", path.stat().st_size, file_sha256(path), modified, level or "unknown", count)
 
 
-def facts_or_unknown(path: Path | None, config: ModelConfig, weight_bytes: int) -> ModelFacts:
-    """The file's facts, or what the config alone says when the file cannot be read (or there is none)."""
+def facts_or_unknown(path: Path | None, parameters: int, weight_bytes: int) -> ModelFacts:
+    """The file's facts, or what the model's shapes alone say when the file cannot be read (or there is none)."""
     try:
-        facts = read_model_facts(path, config) if path else None
+        facts = read_model_facts(path, parameters) if path else None
     except (OSError, ValueError, StartupError):
         facts = None
-    return facts or unknown_facts(config, weight_bytes)
+    return facts or unknown_facts(parameters, weight_bytes)

@@ -130,6 +130,30 @@ class Tokenizer:
         except BaseException as exc:
             raise TokenizationError(f"the model's tokenizer failed on this text ({str(exc)[:200]})") from exc
 
+    def encode_for_pooling(self, text: str, pair: str | None, limit: int | None) -> tuple[list[int], list[int], int]:
+        """An embedding input, or a (query, document) pair, with the model's special tokens and segment ids:
+        (ids, type ids, the length before any cut). With a `limit`, the text (a pair's document) is cut so that
+        the whole, special tokens included, fits it, as sentence-transformers cuts."""
+        try:
+            first = self.backend.encode(text, add_special_tokens=False)
+            second = self.backend.encode(pair, add_special_tokens=False) if pair is not None else None
+            specials = self.backend.num_special_tokens_to_add(is_pair=second is not None)
+            length = len(first.ids) + (len(second.ids) if second is not None else 0) + specials
+            if limit is not None and length > limit:
+                cut = second if second is not None else first
+                room = limit - specials - (len(first.ids) if second is not None else 0)
+                if room < 0:
+                    raise TokenizationError(f"the query alone is longer than the {limit} tokens a pair may have")
+                cut.truncate(room)
+            whole = self.backend.post_process(first, second, add_special_tokens=True)
+        except _NOT_FAILURES:
+            raise
+        except TokenizationError:
+            raise
+        except BaseException as exc:
+            raise TokenizationError(f"the model's tokenizer failed on this text ({str(exc)[:200]})") from exc
+        return whole.ids, whole.type_ids, length
+
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens spelled out)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
@@ -207,6 +231,10 @@ def tokenizer_from_hf_dir(directory: Path, bos_token_id: int | None, eos_token_i
         backend = HFTokenizer.from_file(str(file))
     except Exception as exc:
         raise ModelFileError(file, f"is not a valid tokenizer ({exc})") from exc
+    # A tokenizer.json may pad or truncate every text to a fixed length (sentence-transformers' files do):
+    # lengths are the worker's to check, and a silent cut would change a prompt.
+    backend.no_padding()
+    backend.no_truncation()
     # Before the vocabulary becomes Python objects (Tokenizer.around reads it whole).
     size = backend.get_vocab_size(with_added_tokens=True)
     if size > MAX_VOCAB:
