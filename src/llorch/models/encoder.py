@@ -1,8 +1,8 @@
 """The BERT-family encoder: bidirectional attention over whole texts, pooled into one vector or one score.
 
 Many texts of different lengths run as one packed batch: the projections and the MLP see
-every token of every text as one matrix (no padding), and only attention, which must not
-look across texts, gathers each text's rows into a block padded to the longest text.
+every token of every text as one matrix (no padding); attention, which must not look
+across texts, runs text by text on views of those rows.
 
 What a model pools and how (mean, cls, last; a dense layer, normalization; a classification
 head for cross-encoder rerankers) is data in EncoderConfig, read from the model's own files.
@@ -67,40 +67,42 @@ class EncoderLayer(nn.Module):
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
 
     def forward(self, x: Tensor, batch: PackedBatch) -> Tensor:
-        def heads(t: Tensor) -> Tensor:  # packed [T, H] -> padded [B, heads, L, d]
-            return batch.pad(t).view(batch.size, batch.longest, self.heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask)
-        context = batch.unpad(context.transpose(1, 2).reshape(batch.size, batch.longest, -1))
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1) if hasattr(self, "qkv") else (
+            self.query(x), self.key(x), self.value(x))
+        context = torch.empty_like(q)
+        scale = self.head_dim**-0.5
+        # Attention text by text on views of the packed rows: no padding and no gather, and each text's scores
+        # are its own length squared (a padded batch computes the longest text's for every text).
+        for start, length in zip(batch.starts_list, batch.lengths, strict=True):
+            rows = slice(start, start + length)
+            qh, kh, vh = (t[rows].view(length, self.heads, self.head_dim).transpose(0, 1) for t in (q, k, v))
+            probs = torch.softmax(torch.matmul(qh, kh.transpose(1, 2)).mul_(scale), dim=-1)
+            context[rows].view(length, self.heads, self.head_dim).copy_(torch.matmul(probs, vh).transpose(0, 1))
         x = self.attention_norm(x + self.attention_out(context))
         return self.output_norm(x + self.output(F.gelu(self.intermediate(x), approximate=self.approximate)))
 
+    def fuse_projections(self) -> None:
+        """q, k and v as one matrix: one product of the packed rows instead of three."""
+        self.qkv = nn.Linear(self.query.in_features, 3 * self.query.out_features, device=self.query.weight.device,
+                             dtype=self.query.weight.dtype)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([self.query.weight, self.key.weight, self.value.weight]))
+            self.qkv.bias.copy_(torch.cat([self.query.bias, self.key.bias, self.value.bias]))
+        del self.query, self.key, self.value
+
 
 class PackedBatch:
-    """Texts of different lengths as one packed row of tokens, and the gather that pads them for attention."""
+    """Texts of different lengths as one packed row of tokens: where each starts, and its positions."""
 
     def __init__(self, lengths: list[int], device: torch.device) -> None:
         self.lengths = lengths
-        self.size, self.longest = len(lengths), max(lengths)
+        self.size = len(lengths)
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
+        self.starts_list = starts
         self.starts = torch.tensor(starts, device=device)
-        lens = torch.tensor(lengths, device=device)
-        column = torch.arange(self.longest, device=device)
-        valid = column[None, :] < lens[:, None]  # [B, L]
-        self.valid = valid
-        # Padded slot (b, j) reads packed row starts[b] + j; padding reads row 0 and is masked out.
-        self.index = torch.where(valid, self.starts[:, None] + column[None, :], 0)
-        self.mask = valid[:, None, None, :]  # keys a query may attend to: its own text's
         self.positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-
-    def pad(self, packed: Tensor) -> Tensor:
-        return packed[self.index]
-
-    def unpad(self, padded: Tensor) -> Tensor:
-        return padded[self.valid]
 
     def mean(self, packed: Tensor) -> Tensor:
         sums = torch.zeros(self.size, packed.shape[-1], dtype=packed.dtype, device=packed.device)
@@ -127,6 +129,10 @@ class Encoder(nn.Module):
             self.classifier = nn.Linear(hidden, cfg.num_labels)
         if cfg.dense is not None:
             self.dense = nn.Linear(cfg.dense[0], cfg.dense[1])
+
+    def fuse_projections(self) -> None:
+        for layer in self.layers:
+            layer.fuse_projections()  # type: ignore[operator]
 
     def forward(self, ids: Tensor, type_ids: Tensor, lengths: list[int]) -> Tensor:
         """Packed token ids and type ids of texts of `lengths` -> [texts, dimensions] (scores: [texts, 1])."""

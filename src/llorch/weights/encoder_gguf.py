@@ -73,6 +73,7 @@ def load_gguf_encoder(path: Path, device: torch.device, dtype: torch.dtype, pool
         tensor = gguf.dequantize(name)
         state[ours] = (tensor[: config.context_length] if ours == "position_embeddings.weight" else tensor).to(dtype)
     model.load_state_dict(state, assign=True, strict=True)
+    model.fuse_projections()
     name = str(gguf.metadata.get("general.name") or path.stem)[: limits.MAX_NAME_CHARS]
     return LoadedEncoder(name, path, config, model.to(device).eval().requires_grad_(False), tokenizer, dtype)
 

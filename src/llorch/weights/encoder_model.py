@@ -88,6 +88,7 @@ def load_encoder(directory: Path, device: torch.device, dtype: torch.dtype, pool
     expected = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
     state = _state_dict(directory, config, expected)
     skeleton.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
+    skeleton.fuse_projections()
     model = skeleton.to(device).eval().requires_grad_(False)
     return LoadedEncoder(directory.name, directory, config, model, tokenizer, dtype)
 
