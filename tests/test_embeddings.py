@@ -18,14 +18,16 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import Worker, assert_one_line_failure, run_worker_to_exit, start_worker, stop_worker
+from conftest import Reference, Worker, assert_one_line_failure, run_worker_to_exit, start_worker, stop_worker
 from encoder_zoo import extract_minilm, tiny_cross_encoder, tiny_embedder
-from jobs import Job
+from jobs import Job, make_engine
 from llorch.engine.config import EngineConfig
 from llorch.engine.engine import Engine
+from llorch.engine.errors import RequestRejected
 from llorch.engine.factory import build_engine
 from llorch.engine.request import GenerationRequest
 from llorch.errors import ModelFileError
+from llorch.weights.loader import LoadedModel
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -420,3 +422,63 @@ def test_weights_that_compute_nan_are_refused_in_one_line(tmp_path: Path, tiny: 
 
     directory = mutated(tiny["cls"], tmp_path / "model", poison)
     assert_one_line_failure(run_worker_to_exit("--model", str(directory)), "not finite")
+
+
+# -- a decoder as a reranker ----------------------------------------------------------------------------------------
+
+RERANK_QUERY = "What is the capital of France?"
+RERANK_DOCUMENTS = ["Bananas are yellow fruit rich in potassium.", "Paris is the capital and largest city of France.",
+                    "Berlin is the capital of Germany.", "The Seine flows through Paris, the French capital."]
+
+
+def decoder_scores(engine: Engine) -> tuple[np.ndarray, list[tuple[int, ...]]]:
+    requests = [GenerationRequest(f"d{i}", RERANK_QUERY, 0, pooled=True, pair=document)
+                for i, document in enumerate(RERANK_DOCUMENTS)]
+    prompts = [engine.prepare(r).prompt_ids for r in requests]
+    return np.array(pooled(engine, requests))[:, 0], prompts
+
+
+def test_decoder_reranker_scores_match_transformers(ours: LoadedModel, served: LoadedModel,
+                                                    reference: Reference) -> None:
+    """--pooling rank on a generating model: a pair's score is P(yes) against P(no) after Qwen3-Reranker's prompt,
+    as transformers computes it on the same prompt; the C step on the file's blocks is close."""
+    import torch
+
+    engine = make_engine(ours, pooling="rank")
+    try:
+        assert engine.kind == "rerank"
+        ours_scores, prompts = decoder_scores(engine)
+        no, yes = engine.core.rank_tokens  # type: ignore[misc]
+        text = engine.tokens.decode(prompts[1], skip_special=False)
+        assert "<Query>: What is the capital of France?" in text and "<Document>: Paris" in text
+    finally:
+        engine.stop()
+    with torch.no_grad():
+        expected = np.array([float(torch.softmax(reference.model(torch.tensor([ids])).logits[0, -1, [no, yes]],
+                                                 dim=-1)[1]) for ids in prompts])
+    assert np.abs(ours_scores - expected).max() < 1e-4
+    assert np.ptp(expected) > 0.05
+    quantized = make_engine(served, pooling="rank")
+    try:
+        blocks, _ = decoder_scores(quantized)
+        assert quantized.telemetry.registry.get_sample_value("llorch_prefix_cache_hit_tokens_total") > 0
+    finally:
+        quantized.stop()
+    # Q4_K_M blocks move each score a little (near ties may swap); the best and the worst stay.
+    assert np.abs(blocks - expected).max() < 0.05
+    assert (np.argmax(blocks), np.argmin(blocks)) == (np.argmax(expected), np.argmin(expected)) == (1, 0)
+
+
+def test_decoder_pooling_other_than_rank_is_refused_in_one_line() -> None:
+    assert_one_line_failure(run_worker_to_exit("--pooling", "mean"), "not supported yet")
+
+
+def test_decoder_reranker_cuts_a_long_document_only_when_asked(served: LoadedModel) -> None:
+    engine = make_engine(served, pooling="rank", ctx_size=256, start=False)
+    long = " ".join(["Paris is the capital of France."] * 80)
+    with pytest.raises(RequestRejected, match="256") as refused:
+        engine.prepare(GenerationRequest("long", RERANK_QUERY, 0, pooled=True, pair=long))
+    assert refused.value.field == "documents"
+    job = engine.prepare(GenerationRequest("cut", RERANK_QUERY, 0, pooled=True, pair=long, truncate=True))
+    text = engine.tokens.decode(job.prompt_ids, skip_special=False)
+    assert 200 < len(job.prompt_ids) <= 256 and text.rstrip().endswith("model") and "<Document>: Paris" in text

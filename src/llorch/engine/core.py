@@ -28,7 +28,7 @@ from llorch.engine.request import ErrorCode, StopReason
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.engine.sampler import Sampled, SamplerState, sample_batch
 from llorch.engine.scheduler import GrammarRefused, Scheduler
-from llorch.engine.scoring import score_rows
+from llorch.engine.scoring import rank_score, score_rows
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
 from llorch.engine.verify import verify
@@ -37,8 +37,10 @@ from llorch.engine.views import EngineStats
 log = logging.getLogger("llorch.engine")
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, telemetry: Telemetry) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, telemetry: Telemetry,
+                 rank_tokens: tuple[int, int] | None = None) -> None:
         self.runner = runner
+        self.rank_tokens = rank_tokens  # a reranker's "no" and "yes" tokens: a pair's score is their odds
         self.scheduler = scheduler
         self.telemetry = telemetry
         self.masks = GrammarMasks(runner.config.vocab_size)
@@ -147,21 +149,22 @@ class EngineCore:
     def _forward(self, chunks: list[Chunk], out: StepOutput) -> tuple[list[Sequence], Tensor]:
         """Run the chunks; score the prompt rows that were asked for; finish jobs that only read their prompt.
         The logits are each sampling sequence's rows in turn: its sampling row, then one per proposed token."""
-        inputs, scored, sample_rows, row = [], [], [], 0
+        inputs, scored, pooled, sample_rows, row = [], [], [], [], 0
         sampling: list[Sequence] = []
         read_only = [c.seq for c in chunks if c.completes and c.seq.max_tokens == 0]
         for c in chunks:
             seq, start = c.seq, c.seq.blocks.computed
             rows = seq.scored_rows(start, c.tokens)
-            samples = c.completes and seq.max_tokens > 0
-            ids = seq.token_ids[start : start + c.tokens]
-            if c.draft:
-                ids += c.draft
+            samples, pools = c.completes and seq.max_tokens > 0, c.completes and seq.request.pooled
+            ids = seq.token_ids[start : start + c.tokens] + c.draft
             offsets = range(rows.start - start, rows.stop - start)
-            inputs.append(ChunkInput(ids, start, seq.blocks.blocks, samples, offsets, len(c.draft)))
+            inputs.append(ChunkInput(ids, start, seq.blocks.blocks, samples or pools, offsets, len(c.draft)))
             if rows:
                 scored.append((seq, rows, row))
                 row += len(rows)
+            if pools:  # a rerank pair: its prompt's last row scores it
+                pooled.append((seq, row))
+                row += 1
             if samples:
                 sampling.append(seq)
                 sample_rows.extend(range(row, row + 1 + len(c.draft)))
@@ -171,6 +174,10 @@ class EngineCore:
             self.scheduler.computed(chunk)
         for seq, rows, first in scored:
             self._score(seq, rows, logits[first : first + len(rows)], out)
+        for seq, at in pooled:
+            assert self.rank_tokens is not None, "only a reranker's front door prepares pooled jobs"
+            self.scheduler.finish(seq)
+            out.pooled.append((seq, (rank_score(logits[at], self.rank_tokens),)))
         for seq in read_only:  # max_tokens=0: the prompt is read (and scored); nothing is generated
             if seq.state is not SequenceState.FINISHED:
                 self.scheduler.finish(seq)

@@ -185,9 +185,14 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     path = Path(config.model) if config.model else None
     if loaded is None and path is not None and holds_encoder(path):
         return encoder_engine(config, path, device, telemetry)
-    if config.pooling is not None:
-        raise StartupError(f"--pooling is for embedding and rerank models; {path or 'the default model'} generates")
-    config = config.with_limits("generate")
+    kind = {None: "generate", "rank": "rerank"}.get(config.pooling)
+    if kind is None:
+        raise StartupError(f"--pooling {config.pooling}: a generating model can rerank (--pooling rank, by its yes/no "
+                           "logits); embeddings from a decoder's hidden states are not supported yet")
+    if kind == "rerank" and (config.draft_model or config.speculative not in (None, "off")):
+        raise StartupError("--pooling rank reads prompts only: speculative decoding does not apply")
+    config = replace(config, speculative="off") if kind == "rerank" else config
+    config = config.with_limits(kind)
     if loaded is None:
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(path or default_model_path(), device, dtype, progress=progress,
@@ -206,12 +211,12 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     config = replace(config, ctx_size=ctx_size, speculative=speculative)
     engine = decoder_engine(runner, loaded.tokenizer, config, load_chat_template(config.chat_template_file, loaded),
                             speculation, telemetry, model_name=loaded.name, model_id=loaded.model_id,
-                            model_path=loaded.path)
+                            model_path=loaded.path, rank_tokens=rank_tokens(loaded) if kind == "rerank" else None)
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     engine.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
-                                 "dtype": dtype_name, "kind": "generate"})
+                                 "dtype": dtype_name, "kind": kind})
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(device),
-                                    "dtype": dtype_name, "threads": torch.get_num_threads(), "kind": "generate",
+                                    "dtype": dtype_name, "threads": torch.get_num_threads(), "kind": kind,
                                     "weights": "gguf blocks" if loaded.quantized else "dense",
                                     "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes,
                                     "speculative": speculative, "speculative_tokens": config.speculative_tokens})
@@ -225,17 +230,28 @@ def holds_encoder(path: Path) -> bool:
     return path.is_file() and leading_architecture(path) in ENCODER_ARCHITECTURES
 
 
+def rank_tokens(loaded: LoadedModel) -> tuple[int, int]:
+    """A decoder reranker's "no" and "yes" tokens (Qwen3-Reranker's answer words), from its vocabulary."""
+    vocab = loaded.tokenizer.backend.get_vocab()
+    if "no" not in vocab or "yes" not in vocab:
+        raise StartupError(f"{loaded.path}: --pooling rank scores a pair by the tokens 'yes' and 'no', which this "
+                           "model's vocabulary does not hold")
+    return vocab["no"], vocab["yes"]
+
+
 def decoder_engine(runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, chat_template: ChatTemplate | None,
                    speculation: NgramSpeculation | None, telemetry: Telemetry, *, model_name: str, model_id: str,
-                   model_path: Path | None = None) -> Engine:
-    """A generating engine around a runner: its KV blocks, scheduler, core and front door."""
+                   model_path: Path | None = None, rank_tokens: tuple[int, int] | None = None) -> Engine:
+    """A generating engine around a runner (or a reranker, given its yes/no tokens): its KV blocks, scheduler,
+    core and front door."""
     assert config.ctx_size is not None and config.max_running is not None and config.max_batch_tokens is not None
     blocks = BlockAllocator(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
     scheduler = Scheduler(blocks, config.max_running, config.max_batch_tokens, tokenizer.eos_token_ids, speculation)
     front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
-                      Grammars(tokenizer, runner.config.vocab_size), runner.config.vocab_size)
-    return Engine(EngineCore(runner, scheduler, telemetry), front, tokenizer, config, model_name=model_name,
-                  model_id=model_id, telemetry=telemetry, model_path=model_path)
+                      Grammars(tokenizer, runner.config.vocab_size), runner.config.vocab_size,
+                      kind="rerank" if rank_tokens else "generate")
+    return Engine(EngineCore(runner, scheduler, telemetry, rank_tokens), front, tokenizer, config,
+                  model_name=model_name, model_id=model_id, telemetry=telemetry, model_path=model_path)
 
 
 def encoder_engine(config: EngineConfig, path: Path, device: torch.device, telemetry: Telemetry) -> Engine:

@@ -16,6 +16,12 @@ from llorch.engine.request import ChatOptions, GenerationRequest, PreparedJob
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.tokenizer import TokenizationError, Tokenizer
 
+# A decoder reranker's prompt, as Qwen3-Reranker was trained: the answer is "yes" or "no".
+RERANK_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+                 'Note that the answer can only be "yes" or "no".')
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+RANK_OPTIONS = ChatOptions(template_kwargs=(("enable_thinking", False),))
+
 
 class FrontDoor:
     def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, ctx_size: int, pool_tokens: int,
@@ -83,7 +89,9 @@ class FrontDoor:
     def prepare_pooled(self, request: GenerationRequest) -> PreparedJob:
         """An input to embed or a pair to score: tokenized with the model's special tokens, within its context."""
         field = "input" if request.pair is None else "documents"
-        if request.prompt_ids is not None:
+        if request.pair is not None and self.chat_template is not None:  # a decoder reranker: its yes/no prompt
+            ids, types, length = self.rank_prompt(request.prompt or "", request.pair, request.truncate)
+        elif request.prompt_ids is not None:
             ids, types = self.check_token_ids(request.prompt_ids, field), [0] * len(request.prompt_ids)
             length = len(ids)
             if request.truncate:
@@ -103,6 +111,19 @@ class FrontDoor:
                                   code="context_length_exceeded")
         self.check_fits(len(ids), 0)  # --max-prompt-tokens
         return PreparedJob(request, tuple(ids), 0, type_ids=tuple(types))
+
+    def rank_prompt(self, query: str, document: str, truncate: bool) -> tuple[list[int], list[int], int]:
+        """A decoder reranker's prompt for a pair (Qwen3-Reranker's): the judge's instruction as the system turn,
+        the query and document as the user's, the answer's start with thinking off. Truncation cuts the document."""
+        for _ in range(4):  # a cut document can tokenize a little longer at its new end: cut again
+            content = f"<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+            messages = ({"role": "system", "content": RERANK_SYSTEM}, {"role": "user", "content": content})
+            ids = self.encode(self.render_chat(messages, None, RANK_OPTIONS), False, "documents")
+            if not truncate or len(ids) <= self.ctx_size:
+                break
+            kept = self.tokenizer.encode(document, add_special_tokens=False)
+            document = self.tokenizer.decode(kept[: max(0, len(kept) - (len(ids) - self.ctx_size) - 1)])
+        return ids, [0] * len(ids), len(ids)
 
     def encode(self, text: str, add_special_tokens: bool, field: str = "prompt") -> list[int]:
         """The text's token ids; a tokenizer failure is this request's 400, not the server's error."""

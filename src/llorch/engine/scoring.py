@@ -35,3 +35,9 @@ def score_rows(logits: Tensor, targets: list[int], top: int) -> list[tuple[float
         results.append((host[r], tuple((int(host[ids_at + first + j]), host[values_at + first + j])
                                        for j in range(top))))
     return results
+
+
+def rank_score(logits: Tensor, tokens: tuple[int, int]) -> float:
+    """A decoder reranker's relevance: the probability of its "yes" token against its "no" (`tokens`: no, yes)
+    at the prompt's last position, as Qwen3-Reranker scores."""
+    return float(torch.softmax(logits[list(tokens)].float(), dim=-1)[1])
