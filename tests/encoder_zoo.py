@@ -4,6 +4,8 @@ random BERTs of each kind saved by sentence-transformers itself (so their layout
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -60,4 +62,17 @@ def tiny_cross_encoder(source_tokenizer: Path, target: Path) -> Path:
 
     bert = tiny_bert(source_tokenizer, target.with_name(target.name + "-bert"), classify=True, seed=1)
     CrossEncoder(str(bert), num_labels=1, max_length=100, device="cpu").save(str(target))
+    return target
+
+
+def decoder_embedder(decoder: Path, target: Path) -> Path:
+    """An embedding model over a generating model in Qwen3-Embedding's layout: the model's directory with the
+    sentence-transformers modules of last-token pooling and normalization."""
+    shutil.copytree(decoder, target)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (target / "modules.json").write_text(json.dumps(modules))
+    (target / "1_Pooling").mkdir()
+    (target / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "lasttoken"}))
     return target

@@ -18,7 +18,7 @@ from llorch.device import (
     resolve_backend,
     verify_device,
 )
-from llorch.engine.factory import resolve_dtype
+from llorch.engine.config import resolve_dtype
 from llorch.engine.runner import ModelRunner
 from llorch.errors import BackendUnavailable
 from llorch.weights.loader import LoadedModel

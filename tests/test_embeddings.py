@@ -19,12 +19,13 @@ import openai
 import pytest
 
 from conftest import Reference, Worker, assert_one_line_failure, run_worker_to_exit, start_worker, stop_worker
-from encoder_zoo import extract_minilm, tiny_cross_encoder, tiny_embedder
+from encoder_zoo import decoder_embedder, extract_minilm, tiny_cross_encoder, tiny_embedder
 from jobs import Job, make_engine
 from llorch.engine.config import EngineConfig
 from llorch.engine.engine import Engine
 from llorch.engine.errors import RequestRejected
 from llorch.engine.factory import build_engine
+from llorch.engine.model_kinds import rank_tokens
 from llorch.engine.request import GenerationRequest
 from llorch.errors import ModelFileError
 from llorch.weights.loader import LoadedModel
@@ -448,7 +449,7 @@ def test_decoder_reranker_scores_match_transformers(ours: LoadedModel, served: L
     try:
         assert engine.kind == "rerank"
         ours_scores, prompts = decoder_scores(engine)
-        no, yes = engine.core.rank_tokens  # type: ignore[misc]
+        no, yes = rank_tokens(ours)
         text = engine.tokens.decode(prompts[1], skip_special=False)
         assert "<Query>: What is the capital of France?" in text and "<Document>: Paris" in text
     finally:
@@ -482,3 +483,26 @@ def test_decoder_reranker_cuts_a_long_document_only_when_asked(served: LoadedMod
     job = engine.prepare(GenerationRequest("cut", RERANK_QUERY, 0, pooled=True, pair=long, truncate=True))
     text = engine.tokens.decode(job.prompt_ids, skip_special=False)
     assert 200 < len(job.prompt_ids) <= 256 and text.rstrip().endswith("model") and "<Document>: Paris" in text
+
+
+def test_decoder_embedder_matches_transformers_last_token(zoo: dict[str, Path], tmp_path: Path) -> None:
+    """A generating model in Qwen3-Embedding's layout (modules.json: last-token pooling, normalized) embeds a text
+    as transformers' final hidden state of its last token, normalized; --pooling last does the same on the bare
+    model directory."""
+    import torch
+    import transformers
+
+    reference = transformers.AutoModel.from_pretrained(str(zoo["qwen3"]), dtype=torch.float32).eval()
+    for engine in (engine_for(decoder_embedder(zoo["qwen3"], tmp_path / "qwen3-embedding")),
+                   engine_for(zoo["qwen3"], pooling="last")):
+        try:
+            assert engine.kind == "embed" and engine.embedding is not None and engine.embedding.normalized
+            ours = embed(engine, TEXTS[:4])
+            prompts = [engine.prepare(GenerationRequest("p", t, 0, pooled=True)).prompt_ids for t in TEXTS[:4]]
+        finally:
+            engine.stop()
+        with torch.no_grad():
+            expected = np.array([torch.nn.functional.normalize(reference(torch.tensor([ids])).last_hidden_state[
+                0, -1], dim=-1).numpy() for ids in prompts])
+        assert np.abs(ours - expected).max() < 1e-5
+        assert cosines(ours[:1], ours[1:2])[0] < 0.999

@@ -51,8 +51,8 @@ def model_card(engine: Engine) -> dict[str, Any]:
     card = {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "llorch", "kind": engine.kind,
             "context_length": engine.ctx_size, "max_model_len": engine.ctx_size,
             "chat_template": engine.chat_template.name if engine.chat_template else None}
-    if engine.kind == "embed":
-        card["dimensions"] = engine.model_config.dimensions  # type: ignore[union-attr]
+    if engine.embedding is not None:
+        card["dimensions"] = engine.embedding.dimensions
     return card
 
 

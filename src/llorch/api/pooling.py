@@ -87,14 +87,12 @@ def embedding_values(values: tuple[float, ...], dimensions: int | None, normaliz
 
 
 def check_dimensions(engine: Engine, dimensions: int | None) -> None:
-    config = engine.model_config
-    full = getattr(config, "dimensions", None)
-    if dimensions is None or full is None or dimensions == full:
+    shape = engine.embedding
+    if dimensions is None or shape is None or dimensions == shape.dimensions:
         return
-    trained = getattr(config, "matryoshka_dimensions", ())
-    if dimensions not in trained:
-        allowed = f"one of {sorted({*trained, full})}" if trained else f"{full}, its full length; it was not " \
-            "trained for shortened embeddings"
+    if dimensions not in shape.matryoshka:
+        allowed = f"one of {sorted({*shape.matryoshka, shape.dimensions})}" if shape.matryoshka else (
+            f"{shape.dimensions}, its full length; it was not trained for shortened embeddings")
         raise OpenAIError(400, f"dimensions={dimensions}: this model's embeddings can be {allowed}",
                           param="dimensions")
 
@@ -118,7 +116,7 @@ def create_pooling_router(state: WorkerState) -> APIRouter:
             return exc.response()
         if isinstance(outputs, Response):
             return outputs
-        normalize = bool(getattr(engine.model_config, "normalize", False))
+        normalize = engine.embedding is not None and engine.embedding.normalized
         tokens = sum(out.prompt_tokens for out in outputs)
 
         def answer() -> dict[str, Any]:

@@ -28,7 +28,7 @@ from llorch.engine.request import ErrorCode, StopReason
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.engine.sampler import Sampled, SamplerState, sample_batch
 from llorch.engine.scheduler import GrammarRefused, Scheduler
-from llorch.engine.scoring import rank_score, score_rows
+from llorch.engine.scoring import Pool, score_rows
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
 from llorch.engine.verify import verify
@@ -37,10 +37,10 @@ from llorch.engine.views import EngineStats
 log = logging.getLogger("llorch.engine")
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, telemetry: Telemetry,
-                 rank_tokens: tuple[int, int] | None = None) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, telemetry: Telemetry, pool: Pool | None = None
+                 ) -> None:
         self.runner = runner
-        self.rank_tokens = rank_tokens  # a reranker's "no" and "yes" tokens: a pair's score is their odds
+        self.pool = pool  # a reranker's or embedding model's output from a pooled job's last row
         self.scheduler = scheduler
         self.telemetry = telemetry
         self.masks = GrammarMasks(runner.config.vocab_size)
@@ -162,7 +162,7 @@ class EngineCore:
             if rows:
                 scored.append((seq, rows, row))
                 row += len(rows)
-            if pools:  # a rerank pair: its prompt's last row scores it
+            if pools:  # a pair to score or a text to embed: its prompt's last row
                 pooled.append((seq, row))
                 row += 1
             if samples:
@@ -175,9 +175,9 @@ class EngineCore:
         for seq, rows, first in scored:
             self._score(seq, rows, logits[first : first + len(rows)], out)
         for seq, at in pooled:
-            assert self.rank_tokens is not None, "only a reranker's front door prepares pooled jobs"
+            assert self.pool is not None, "only a reranker's or embedding model's front door prepares pooled jobs"
             self.scheduler.finish(seq)
-            out.pooled.append((seq, (rank_score(logits[at], self.rank_tokens),)))
+            out.pooled.append((seq, self.pool(logits[at])))
         for seq in read_only:  # max_tokens=0: the prompt is read (and scored); nothing is generated
             if seq.state is not SequenceState.FINISHED:
                 self.scheduler.finish(seq)

@@ -34,7 +34,7 @@ from llorch.engine.request import ErrorCode, Event, GenerationRequest, PreparedJ
 from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
 from llorch.engine.tokens import TokenFacts
-from llorch.engine.views import EngineStats, JobView
+from llorch.engine.views import EmbeddingShape, EngineStats, JobView
 from llorch.models.config import ModelConfig
 from llorch.models.encoder import EncoderConfig
 from llorch.weights.chat_template import ChatTemplate
@@ -52,7 +52,8 @@ class Engine:
     the factory with the front door that prepares its jobs."""
 
     def __init__(self, core: EngineCore | EncoderCore, front: FrontDoor, tokenizer: Tokenizer, config: EngineConfig,
-                 *, model_name: str, model_id: str, telemetry: Telemetry, model_path: Path | None = None) -> None:
+                 *, model_name: str, model_id: str, telemetry: Telemetry, model_path: Path | None = None,
+                 embedding: EmbeddingShape | None = None) -> None:
         assert config.ctx_size is not None and config.max_running is not None, "build_engine resolves the limits"
         self.core = core
         self.runner = core.runner
@@ -62,6 +63,7 @@ class Engine:
         self.model_name = model_name
         self.model_id = model_id
         self.kind = front.kind  # "generate", "embed" or "rerank"
+        self.embedding = embedding  # an embedding model's vectors
         self.ctx_size = config.ctx_size
         self.device = core.runner.device
         self.tokens = TokenFacts(tokenizer)  # the tokenizer as the API layers may see it

@@ -17,19 +17,21 @@ from pathlib import Path
 
 import torch
 
-from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, DTYPES, EngineConfig
+from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, PROBE_TEXT, EngineConfig, resolve_dtype
 from llorch.engine.core import EngineCore
 from llorch.engine.draft import DraftSpeculation
-from llorch.engine.encoder_core import EncoderCore, EncoderRunner
 from llorch.engine.engine import Engine
 from llorch.engine.grammar import Grammars
 from llorch.engine.kv.blocks import BlockAllocator
 from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
+from llorch.engine.model_kinds import decoder_kind, encoder_engine, holds_encoder, rank_tokens
 from llorch.engine.prepare import FrontDoor
 from llorch.engine.runner import ModelRunner
 from llorch.engine.scheduler import Scheduler
+from llorch.engine.scoring import Pool, last_token_pool, rank_pool
 from llorch.engine.speculative import SPECULATIVE_MAX_ROWS, NgramSpeculation
 from llorch.engine.telemetry import Telemetry
+from llorch.engine.views import EmbeddingShape
 from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
 from llorch.kernels.build import library as kernel_library
@@ -38,27 +40,12 @@ from llorch.models.step_batch import contiguous_step
 from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
-from llorch.weights.encoder_gguf import ENCODER_ARCHITECTURES, load_gguf_encoder
-from llorch.weights.encoder_model import is_encoder, load_encoder
-from llorch.weights.gguf import leading_architecture
 from llorch.weights.loader import LoadedModel, load_model, read_template_file
 from llorch.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("llorch.engine")
 
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog."  # start-up's proof that the logits are finite
 PROBE_TOKENS = 16
-
-
-def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
-    if choice != "auto":
-        return DTYPES[choice]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # float32 on every CPU, measured rather than inferred from a flag: the int8 kernels compute in
-    # float32 (bf16 activations were 30% slower even with AVX512-BF16), and dense weights keep the
-    # file's exact numbers. `--dtype bf16` trades those numbers for dense-weight speed.
-    return torch.float32
 
 
 def keeps_quantized(config: EngineConfig, device: torch.device) -> bool:
@@ -185,18 +172,16 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     path = Path(config.model) if config.model else None
     if loaded is None and path is not None and holds_encoder(path):
         return encoder_engine(config, path, device, telemetry)
-    kind = {None: "generate", "rank": "rerank"}.get(config.pooling)
-    if kind is None:
-        raise StartupError(f"--pooling {config.pooling}: a generating model can rerank (--pooling rank, by its yes/no "
-                           "logits); embeddings from a decoder's hidden states are not supported yet")
-    if kind == "rerank" and (config.draft_model or config.speculative not in (None, "off")):
-        raise StartupError("--pooling rank reads prompts only: speculative decoding does not apply")
-    config = replace(config, speculative="off") if kind == "rerank" else config
+    kind, normalize = decoder_kind(config, path)
+    if kind != "generate" and (config.draft_model or config.speculative not in (None, "off")):
+        raise StartupError(f"--pooling {config.pooling or 'from the model'}: a {kind} model reads prompts only; "
+                           "speculative decoding does not apply")
+    config = replace(config, speculative="off") if kind != "generate" else config
     config = config.with_limits(kind)
     if loaded is None:
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(path or default_model_path(), device, dtype, progress=progress,
-                            keep_quantized=keeps_quantized(config, device))
+                            keep_quantized=keeps_quantized(config, device), hidden_states=kind == "embed")
     prove_finite_logits(loaded, device)
     release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
     ctx_size = config.ctx_size or loaded.config.context_length
@@ -211,7 +196,9 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     config = replace(config, ctx_size=ctx_size, speculative=speculative)
     engine = decoder_engine(runner, loaded.tokenizer, config, load_chat_template(config.chat_template_file, loaded),
                             speculation, telemetry, model_name=loaded.name, model_id=loaded.model_id,
-                            model_path=loaded.path, rank_tokens=rank_tokens(loaded) if kind == "rerank" else None)
+                            model_path=loaded.path, pool=rank_pool(rank_tokens(loaded)) if kind == "rerank"
+                            else last_token_pool(normalize) if kind == "embed" else None, kind=kind,
+                            embedding=EmbeddingShape(loaded.config.hidden_size, normalize) if kind == "embed" else None)
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     engine.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
                                  "dtype": dtype_name, "kind": kind})
@@ -223,69 +210,19 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     return engine
 
 
-def holds_encoder(path: Path) -> bool:
-    """Whether a model file or directory holds an embedding or rerank encoder (else: a generating decoder)."""
-    if path.is_dir():
-        return is_encoder(path)
-    return path.is_file() and leading_architecture(path) in ENCODER_ARCHITECTURES
-
-
-def rank_tokens(loaded: LoadedModel) -> tuple[int, int]:
-    """A decoder reranker's "no" and "yes" tokens (Qwen3-Reranker's answer words), from its vocabulary."""
-    vocab = loaded.tokenizer.backend.get_vocab()
-    if "no" not in vocab or "yes" not in vocab:
-        raise StartupError(f"{loaded.path}: --pooling rank scores a pair by the tokens 'yes' and 'no', which this "
-                           "model's vocabulary does not hold")
-    return vocab["no"], vocab["yes"]
-
-
 def decoder_engine(runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig, chat_template: ChatTemplate | None,
                    speculation: NgramSpeculation | None, telemetry: Telemetry, *, model_name: str, model_id: str,
-                   model_path: Path | None = None, rank_tokens: tuple[int, int] | None = None) -> Engine:
-    """A generating engine around a runner (or a reranker, given its yes/no tokens): its KV blocks, scheduler,
-    core and front door."""
+                   model_path: Path | None = None, pool: Pool | None = None, kind: str = "generate",
+                   embedding: EmbeddingShape | None = None) -> Engine:
+    """A generating engine around a runner (a reranker's or embedding model's, given how it pools): its KV
+    blocks, scheduler, core and front door."""
     assert config.ctx_size is not None and config.max_running is not None and config.max_batch_tokens is not None
     blocks = BlockAllocator(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
     scheduler = Scheduler(blocks, config.max_running, config.max_batch_tokens, tokenizer.eos_token_ids, speculation)
     front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
-                      Grammars(tokenizer, runner.config.vocab_size), runner.config.vocab_size,
-                      kind="rerank" if rank_tokens else "generate")
-    return Engine(EngineCore(runner, scheduler, telemetry, rank_tokens), front, tokenizer, config,
-                  model_name=model_name, model_id=model_id, telemetry=telemetry, model_path=model_path)
+                      Grammars(tokenizer, runner.config.vocab_size), runner.config.vocab_size, kind=kind)
+    return Engine(EngineCore(runner, scheduler, telemetry, pool), front, tokenizer, config,
+                  model_name=model_name, model_id=model_id, telemetry=telemetry, model_path=model_path,
+                  embedding=embedding)
 
 
-def encoder_engine(config: EngineConfig, path: Path, device: torch.device, telemetry: Telemetry) -> Engine:
-    """An embedding or rerank model's engine: the encoder, its core, and a front door without chat or grammar."""
-    if config.speculative not in (None, "off") or config.draft_model:
-        raise StartupError(f"{path}: speculative decoding is for generation; this is an embedding or rerank model")
-    dtype = resolve_dtype(config.dtype, device)
-    loaded = (load_encoder(path, device, dtype, config.pooling) if path.is_dir()
-              else load_gguf_encoder(path, device, dtype, config.pooling))
-    ctx_size = config.ctx_size or loaded.config.context_length
-    if not 0 < ctx_size <= loaded.config.context_length:
-        source = "--ctx-size" if config.ctx_size else "the model's context"
-        raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
-    config = replace(config.with_limits(loaded.kind), ctx_size=ctx_size, speculative="off")
-    assert config.max_running is not None and config.max_batch_tokens is not None
-    runner = EncoderRunner(loaded.model, device, loaded.dtype)
-    # The start-up proof that it computes (and its first, slowest forward): a probe text must pool to finite values.
-    probe, types, _ = loaded.tokenizer.encode_for_pooling(PROBE_TEXT, PROBE_TEXT if loaded.kind == "rerank" else None,
-                                                          ctx_size)
-    with torch.inference_mode():
-        values = loaded.model(torch.tensor(probe, device=device), torch.tensor(types, device=device), [len(probe)])
-    if not bool(torch.isfinite(values).all()):
-        raise StartupError(f"{path}: the model computes values that are not finite on a test text: its weights or "
-                           "its configuration (a norm epsilon, the compute dtype) overflow; it cannot be served")
-    core = EncoderCore(runner, config.max_running, max(config.max_batch_tokens, ctx_size), telemetry)
-    front = FrontDoor(loaded.tokenizer, None, ctx_size, ctx_size, config.max_prompt_tokens, None,
-                      loaded.config.vocab_size, kind=loaded.kind)
-    engine = Engine(core, front, loaded.tokenizer, config, model_name=loaded.name, model_id=loaded.model_id,
-                    telemetry=telemetry, model_path=path)
-    dtype_name = str(loaded.dtype).removeprefix("torch.")
-    telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
-                          "dtype": dtype_name, "kind": loaded.kind})
-    log.info("model loaded", extra={"model": loaded.name, "path": str(path), "device": str(device), "dtype": dtype_name,
-                                    "threads": torch.get_num_threads(), "kind": loaded.kind,
-                                    "pooling": loaded.config.pooling, "dimensions": loaded.config.dimensions,
-                                    "context": ctx_size})
-    return engine

@@ -8,6 +8,8 @@ dropped with the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -37,7 +39,19 @@ def score_rows(logits: Tensor, targets: list[int], top: int) -> list[tuple[float
     return results
 
 
-def rank_score(logits: Tensor, tokens: tuple[int, int]) -> float:
+Pool = Callable[[Tensor], tuple[float, ...]]  # a pooled job's output from its prompt's last row
+
+
+def rank_pool(tokens: tuple[int, int]) -> Pool:
     """A decoder reranker's relevance: the probability of its "yes" token against its "no" (`tokens`: no, yes)
     at the prompt's last position, as Qwen3-Reranker scores."""
-    return float(torch.softmax(logits[list(tokens)].float(), dim=-1)[1])
+    return lambda logits: (float(torch.softmax(logits[list(tokens)].float(), dim=-1)[1]),)
+
+
+def last_token_pool(normalize: bool) -> Pool:
+    """A decoder embedding model's vector: the last prompt token's final hidden state (Qwen3-Embedding's)."""
+    def pool(hidden: Tensor) -> tuple[float, ...]:
+        vector = hidden.float()
+        return tuple((torch.nn.functional.normalize(vector, dim=-1) if normalize else vector).tolist())
+
+    return pool

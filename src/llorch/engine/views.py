@@ -32,3 +32,13 @@ class JobView:
     prompt_tokens: int
     generated_tokens: int
     prompt: str | None  # the prompt text as sent (None: token ids or chat messages)
+
+
+@dataclass(frozen=True)
+class EmbeddingShape:
+    """What an embedding model's vectors are: their length, whether of unit length, and the shorter lengths the
+    model was trained to be cut to (Matryoshka)."""
+
+    dimensions: int
+    normalized: bool
+    matryoshka: tuple[int, ...] = ()

@@ -233,6 +233,8 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The C step, when the loader attached one (models/native.py decides whether it can run).
         self.native: CompiledStep | None = None
+        # An embedding model's output: the wanted rows' final (normed) hidden states instead of their logits.
+        self.hidden_states = False
 
     def fuse_projections(self) -> None:
         """Run q/k/v and gate/up as one matmul each: fewer, larger matmuls per step (dense weights).
@@ -271,6 +273,8 @@ class Decoder(nn.Module):
             x = layer(x, batch, layer_cache)
         if batch.logit_rows is not None:
             x = x[batch.logit_rows]
+        if self.hidden_states:
+            return self.norm(x)
         logits = self.project_vocab(self.norm(x))
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap

@@ -177,8 +177,9 @@ def _st_pooling(directory: Path) -> str:
     return "mean"
 
 
-def _st_modules(directory: Path, hidden: int) -> dict[str, Any]:
-    """What follows pooling: a Dense projection and a Normalize, in modules.json's order; anything else is refused."""
+def _st_modules(directory: Path, hidden: int, dense: bool = True) -> dict[str, Any]:
+    """What follows pooling: a Dense projection (where `dense` allows one) and a Normalize, in modules.json's
+    order; anything else is refused."""
     found: dict[str, Any] = {}
     for module in _modules(directory):
         kind = module["kind"]
@@ -186,7 +187,7 @@ def _st_modules(directory: Path, hidden: int) -> dict[str, Any]:
             continue
         if kind == "Normalize":
             found["normalize"] = True
-        elif kind == "Dense" and "dense" not in found and "normalize" not in found:
+        elif kind == "Dense" and dense and "dense" not in found and "normalize" not in found:
             file = directory / module["path"] / "config.json"
             raw = read_json_object(file)
             inputs = bounded_int(raw.get("in_features"), "in_features", hidden, hidden, file)
@@ -201,6 +202,15 @@ def _st_modules(directory: Path, hidden: int) -> dict[str, Any]:
             raise ModelFileError(directory / "modules.json", f"module {module['type']} is not supported here")
     found.pop("dense_path", None)
     return found
+
+
+def sentence_modules(directory: Path) -> tuple[str, bool] | None:
+    """A decoder's sentence-transformers modules (an embedding model built on a generating one): its pooling and
+    whether it normalizes; None without modules.json. A Dense module is refused."""
+    if not (directory / "modules.json").is_file():
+        return None
+    after = _st_modules(directory, 0, dense=False)
+    return _st_pooling(directory), bool(after.get("normalize"))
 
 
 def _trained_length(directory: Path, positions: int) -> int:

@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -75,6 +75,7 @@ def load_model(
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
     keep_quantized: bool = False,
+    hidden_states: bool = False,
 ) -> LoadedModel:
     """Config, tokenizer and weights from a GGUF file or a Hugging Face directory.
 
@@ -93,8 +94,11 @@ def load_model(
                              "use GGUF or safetensors")
 
     started = time.perf_counter()
-    keep_quantized = keep_quantized and device.type == "cpu"
-    source = _hf_source(path) if path.is_dir() else _gguf_source(path)
+    keep_quantized = keep_quantized and device.type == "cpu" and not hidden_states
+    source = _hf_source(path, hidden_states) if path.is_dir() else _gguf_source(path)
+    if hidden_states:  # an embedding model: its final hidden states are the output, no vocabulary head
+        source.config = replace(source.config, tie_word_embeddings=True)
+        source.shapes.pop("lm_head.weight", None)
     # Every tensor is what the config needs before one is read: a header may claim anything.
     _check_shapes(path, source.shapes, _expected_shapes(source.config))
     release_freed_memory()  # the tokenizer's parse leftovers go before the weights come in
@@ -109,7 +113,11 @@ def load_model(
             if progress is not None:
                 progress(done, total)
 
-        model = _build_decoder(path, source.config, source.read_weights(dtype, advance, keep_quantized), dtype)
+        weights = source.read_weights(dtype, advance, keep_quantized)
+        if hidden_states:
+            weights.pop("lm_head.weight", None)
+        model = _build_decoder(path, source.config, weights, dtype)
+        model.hidden_states = hidden_states
     model = model.to(device).eval().requires_grad_(False)
     quantized = any(isinstance(m, GGUFLinear | GGUFEmbedding) for m in model.modules())
     if quantized and device.type == "cpu" and dtype == torch.float32:
@@ -228,10 +236,13 @@ def _convert_gguf_meta(path: Path, gguf: GGUFFile) -> ConvertedMeta:
                          chat_template=template or None, tokenizer=tokenizer, tensors=gguf.tensor_table())
 
 
-def _hf_source(path: Path) -> ModelSource:
+def _hf_source(path: Path, headless: bool = False) -> ModelSource:
+    """`headless`: the checkpoint may lack the vocabulary head (an embedding model's base model)."""
     checkpoint = SafetensorsCheckpoint(path)
     try:  # values of the wrong type or shape are a broken file, not a crash
         config = config_from_hf(path, checkpoint.names)
+        if headless:
+            config = replace(config, tie_word_embeddings=True)
     except ModelFileError:
         raise
     except Exception as exc:
