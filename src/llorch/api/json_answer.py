@@ -21,8 +21,8 @@ def encode(body: Any) -> bytes:
     return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
-async def json_answer(build: Callable[[], Any], status_code: int = 200) -> Response:
+async def json_answer(build: Callable[[], Any], status_code: int = 200, small: bool = False) -> Response:
     """The answer `build()` returns, built and encoded off the event loop (its jobs have ended: nothing it
-    reads changes meanwhile)."""
-    content = await run_in_threadpool(lambda: encode(build()))
+    reads changes meanwhile); a `small` one on the loop, where the trip to a thread would cost more."""
+    content = encode(build()) if small else await run_in_threadpool(lambda: encode(build()))
     return Response(content, status_code, media_type="application/json")

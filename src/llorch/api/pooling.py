@@ -33,6 +33,7 @@ from llorch.engine.errors import EngineRefusal
 from llorch.engine.request import Error, GenerationRequest, Pooled
 
 OPENAPI_MODELS: tuple[type[BaseModel], ...] = (EmbeddingRequest, RerankRequest)
+SMALL_CHARS = 2048  # requests and answers this small are prepared and encoded on the event loop
 RESPONSES = error_responses(OPENAI_ERROR_SCHEMA, {
     400: "Invalid input, or a model of another kind", 401: "Missing or wrong API key", 404: "Unknown model",
     413: "Body too large", 500: "Inference failed", 503: "Loading, draining or busy"})
@@ -50,8 +51,11 @@ async def pooled(http: Request, engine: Engine, requests: list[GenerationRequest
     requests = [GenerationRequest(f"pool-{request_id}-{i}", r.prompt, 0, prompt_ids=r.prompt_ids, pooled=True,
                                   pair=r.pair, truncate=r.truncate) for i, r in enumerate(requests)]
     streams: list[JobStream] = []
+    # A few short texts tokenize faster than a trip to a worker thread; anything larger leaves the event loop.
+    small = sum(len(r.prompt or "") + len(r.pair or "") + len(r.prompt_ids or ()) for r in requests) <= SMALL_CHARS
     try:
-        for job in await run_in_threadpool(prepare_all, engine, requests):
+        prepared = prepare_all(engine, requests) if small else await run_in_threadpool(prepare_all, engine, requests)
+        for job in prepared:
             streams.append(JobStream(engine, job))
     except EngineRefusal as exc:
         for submitted in streams:  # all or none
@@ -126,7 +130,7 @@ def create_pooling_router(state: WorkerState) -> APIRouter:
                         out.values, body.dimensions, normalize, body.encoding_format)}
                         for i, out in enumerate(outputs)]}
 
-        return await json_answer(answer)
+        return await json_answer(answer, small=len(outputs) * len(outputs[0].values) <= SMALL_CHARS)
 
     @router.post("/rerank", response_model=None, openapi_extra=request_body(RerankRequest), responses=RESPONSES)
     async def rerank(request: Request) -> JSONResponse | Response:
@@ -146,6 +150,7 @@ def create_pooling_router(state: WorkerState) -> APIRouter:
                     **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order]
         return await json_answer(lambda: {"id": f"rerank-{uuid.uuid4().hex}", "object": "list",
                                           "model": engine.model_id, "results": results,
-                                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+                                 small=sum(len(t) for t in texts) <= SMALL_CHARS)
 
     return router
