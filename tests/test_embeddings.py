@@ -145,6 +145,31 @@ def test_minilm_matches_sentence_transformers_and_batches(minilm: Path) -> None:
         engine.stop()
 
 
+def test_a_step_takes_whole_texts_within_its_token_budget(minilm: Path) -> None:
+    """Queued texts are read in arrival order, as many per step as fit --max-batch-tokens (a longer text alone)."""
+    engine = build_engine(EngineConfig(model=str(minilm), max_batch_tokens=40))
+    try:
+        jobs, lengths = [], []
+        for i, text in enumerate(TEXTS):
+            job, prepared = Job(), engine.prepare(GenerationRequest(f"t{i}", text, 0, pooled=True))
+            engine.submit(prepared, job.emit)
+            jobs.append(job)
+            lengths.append(len(prepared.prompt_ids))
+        engine.start()
+        for job in jobs:
+            job.wait()
+    finally:
+        engine.stop()
+    steps, tokens = 0, None
+    for length in lengths:  # the rule, counted independently
+        if tokens is None or tokens + length > 40:
+            steps, tokens = steps + 1, length
+        else:
+            tokens += length
+    assert max(lengths) > 40 and steps > 2
+    assert engine.telemetry.registry.get_sample_value("llorch_batch_size_count") == steps
+
+
 def test_cross_encoder_scores_match_sentence_transformers(tiny: dict[str, Path]) -> None:
     from sentence_transformers import CrossEncoder
 

@@ -98,7 +98,7 @@ def build_parser(program: str, backend: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-batch-tokens", type=positive_int, default=None,
                         help="prompt tokens read per step, shared by new jobs, so long prompts never "
                              f"stall running streams (default {generate[2]}; for embedding and rerank models, "
-                             f"{pooled[2]} tokens of whole texts, counted padded to the longest)")
+                             f"{pooled[2]} tokens of whole texts)")
     parser.add_argument("--pooling", choices=POOLINGS, default=None,
                         help="an embedding model's pooling (mean, cls, last), or rank for a reranker's "
                              "classification head (default: what the model's files say)")

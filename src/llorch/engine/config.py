@@ -18,7 +18,7 @@ PROBE_TEXT = "The quick brown fox jumps over the lazy dog."  # start-up's proof 
 DEFAULT_SPECULATIVE_TOKENS = 16
 # (max_running, max_queue, max_batch_tokens) by kind. A generating job holds a slot for its whole life; a pooled
 # one (an embedding, a rerank pair) for one step, and a request brings up to 2048 of them at once. An encoder
-# step reads whole texts: its token budget counts every text padded to the batch's longest.
+# step reads whole texts, as many as fit its tokens.
 KIND_LIMITS = {"generate": (16, 64, 512), "pooled": (64, 4096, 8192)}
 
 

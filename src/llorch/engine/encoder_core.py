@@ -2,10 +2,10 @@
 
 An encoder attends in both directions, so a text cannot be read in chunks and keeps no cache
 between steps: a job is admitted, computed and finished in one step. Each step takes the
-waiting jobs in arrival order while they fit its rows and its tokens (counted padded, as
-attention computes them), runs them as one packed batch, and reports one pooled vector (or
-score) per job. It offers the shell the same calls as the generating core (core.py), so the
-shell's thread, admission, cancellation and timeouts are the same for every kind of job.
+waiting jobs in arrival order while they fit its rows and its tokens, runs them as one packed
+batch, and reports one pooled vector (or score) per job. It offers the shell the same calls as
+the generating core (core.py), so the shell's thread, admission, cancellation and timeouts are
+the same for every kind of job.
 
 A failing batch is retried job by job, so only the job that fails ends.
 """
@@ -120,16 +120,15 @@ class EncoderCore:
         return out
 
     def _admit(self) -> list[Sequence]:
-        """Waiting jobs in arrival order while the batch, padded to its longest text, stays within the token budget
-        (the first always goes, whatever its length)."""
+        """Waiting jobs in arrival order while the batch's tokens stay within the budget (the first always goes:
+        the front door keeps every text within the model's context)."""
         batch: list[Sequence] = []
-        longest = 0
+        tokens = 0
         while self.waiting and len(batch) < self.max_rows:
-            longest_now = max(longest, len(self.waiting[0].prompt_ids))
-            if batch and longest_now * (len(batch) + 1) > self.max_batch_tokens:
+            tokens += len(self.waiting[0].prompt_ids)
+            if batch and tokens > self.max_batch_tokens:
                 break
             batch.append(self.waiting.popleft())
-            longest = longest_now
         return batch
 
     def _alone(self, seq: Sequence, out: StepOutput) -> tuple[float, ...] | None:

@@ -84,7 +84,7 @@ def encoder_engine(config: EngineConfig, path: Path, device: torch.device, telem
     if not bool(torch.isfinite(values).all()):
         raise StartupError(f"{path}: the model computes values that are not finite on a test text: its weights or "
                            "its configuration (a norm epsilon, the compute dtype) overflow; it cannot be served")
-    core = EncoderCore(runner, config.max_running, max(config.max_batch_tokens, ctx_size), telemetry)
+    core = EncoderCore(runner, config.max_running, config.max_batch_tokens, telemetry)
     front = FrontDoor(loaded.tokenizer, None, ctx_size, ctx_size, config.max_prompt_tokens, None,
                       loaded.config.vocab_size, kind=loaded.kind)
     shape = loaded.config

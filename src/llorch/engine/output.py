@@ -165,7 +165,7 @@ class OutputProcessor:
         out = self._job(seq)
         elapsed_ms = (time.perf_counter() - out.decode_started) * 1000 if out.decode_started else 0.0
         self.telemetry.pooled_inputs.labels(kind="rerank" if seq.request.pair is not None else "embed").inc()
-        self.telemetry.requests.labels(outcome="max_tokens").inc()
+        self.telemetry.requests.labels(outcome="pooled").inc()
         self._close(seq, End(0, round(elapsed_ms, 3), StopReason.MAX_TOKENS))
         log.info("job finished", extra={"job_id": seq.job_id, "pooled_values": len(values),
                                         "time_ms": round(elapsed_ms, 3)})
