@@ -64,7 +64,7 @@ class LoadedEncoder:
 
     @property
     def kind(self) -> str:
-        """"embed" or "rerank": what the model is served for."""
+        """What the model is served for: "embed" or "rerank"."""
         return "rerank" if self.config.pooling == "rank" else "embed"
 
 
