@@ -55,6 +55,8 @@ async def pooled(http: Request, engine: Engine, requests: list[GenerationRequest
     small = sum(len(r.prompt or "") + len(r.pair or "") + len(r.prompt_ids or ()) for r in requests) <= SMALL_CHARS
     try:
         prepared = prepare_all(engine, requests) if small else await run_in_threadpool(prepare_all, engine, requests)
+        if not small and await http.is_disconnected():  # gone while its inputs were tokenized: nothing to run
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         for job in prepared:
             streams.append(JobStream(engine, job))
     except EngineRefusal as exc:
