@@ -118,3 +118,9 @@ def assert_module_resident(device: torch.device, module: nn.Module) -> None:
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def resident_module_bytes(device: torch.device, module: nn.Module) -> int:
+    """The bytes a module's weights hold, after proving every one of them is on `device`."""
+    assert_module_resident(device, module)
+    return tensor_bytes([*module.parameters(), *module.buffers()])

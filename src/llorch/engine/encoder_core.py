@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from llorch.device import assert_module_resident, tensor_bytes
+from llorch.device import resident_module_bytes
 from llorch.engine.plan import StepOutput
 from llorch.engine.request import ErrorCode
 from llorch.engine.sequence import Sequence, SequenceState
@@ -37,8 +37,7 @@ class EncoderRunner:
         self.config = model.config
         self.device = device
         self.dtype = dtype
-        assert_module_resident(device, model)
-        self.weight_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
+        self.weight_bytes = resident_module_bytes(device, model)
 
     @property
     def resident_bytes(self) -> int:

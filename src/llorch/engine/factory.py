@@ -181,7 +181,8 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     if loaded is None:
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(path or default_model_path(), device, dtype, progress=progress,
-                            keep_quantized=keeps_quantized(config, device), hidden_states=kind == "embed")
+                            keep_quantized=kind != "embed" and keeps_quantized(config, device),
+                            hidden_states=kind == "embed")  # hidden states come from torch: no kernels to build
     prove_finite_logits(loaded, device)
     release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
     ctx_size = config.ctx_size or loaded.config.context_length

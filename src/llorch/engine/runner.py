@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from llorch.device import assert_module_resident, tensor_bytes
+from llorch.device import resident_module_bytes
 from llorch.engine.kv.block_table import slots_of
 from llorch.engine.kv.pool import KVPool
 from llorch.models.decoder import Decoder
@@ -42,8 +42,7 @@ class ModelRunner:
         self.config = model.config
         self.device = device
         self.dtype = dtype
-        assert_module_resident(device, model)
-        self.weight_bytes = tensor_bytes([*model.parameters(), *model.buffers()])
+        self.weight_bytes = resident_module_bytes(device, model)
         self.kv = KVPool(self.config, device, dtype, kv_cache_bytes)
 
     @property
