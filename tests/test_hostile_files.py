@@ -325,11 +325,25 @@ def test_rope_freqs_of_four_million_factors(parts: GGUFParts, tmp_path: Path) ->
     refused(parts.write(tmp_path / "rope.gguf"), "rope_freqs has 4194304 factors, expected 8")
 
 
-def test_an_unused_array_of_two_billion_bytes_costs_nothing(parts: GGUFParts, tmp_path: Path,
-                                                            pristine_peak: int) -> None:
+def test_an_unused_array_costs_nothing(parts: GGUFParts, tmp_path: Path, pristine_peak: int) -> None:
     """A numeric array no one reads stays in the file: the model loads as if it were not there."""
-    path = parts.set("general.padding", ARRAY, (U8, Zeros(1 << 31))).write(tmp_path / "unused.gguf")
+    path = parts.set("general.padding", ARRAY, (U8, Zeros(64 << 20))).write(tmp_path / "unused.gguf")
     assert cheaply(pristine_peak, path) == "loaded"
+
+
+def test_an_unused_array_of_two_billion_bytes_is_refused_before_the_file_is_hashed(
+        parts: GGUFParts, tmp_path: Path, pristine_peak: int) -> None:
+    """The header is bounded, and checked before the file is read whole for its digest: hashing the
+    sparse 2 GiB alone took 17 s."""
+    path = parts.set("general.padding", ARRAY, (U8, Zeros(1 << 31))).write(tmp_path / "unused.gguf")
+    cheaply(pristine_peak, path, "the header runs past 268435456 bytes (at general.padding)")
+
+
+def test_gigabytes_after_the_last_tensor(parts: GGUFParts, tmp_path: Path, pristine_peak: int) -> None:
+    path = parts.write(tmp_path / "trailing.gguf")
+    with path.open("r+b") as handle:
+        handle.truncate(path.stat().st_size + (2 << 30))
+    cheaply(pristine_peak, path, "2147483648 bytes follow the last tensor; at most 1048576 may")
 
 
 @pytest.mark.parametrize(("key", "element", "count", "fragments"), [

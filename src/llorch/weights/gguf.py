@@ -215,6 +215,7 @@ class GGUFFile:
                 raise self._fail(f"metadata key {key} appears twice")
             vtype = self._unpack("<I", f"{key} type")
             self.metadata[key] = self._value(vtype, key)
+            self._check_header_size(key)
 
         infos = []
         names: set[str] = set()
@@ -236,6 +237,7 @@ class GGUFFile:
             except ValueError as exc:
                 raise self._fail(f"tensor {name} has unknown type {raw_type}") from exc
             infos.append((name, dims, qtype, rel_offset))
+            self._check_header_size(name)
 
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if isinstance(alignment, bool) or not isinstance(alignment, int):
@@ -259,6 +261,14 @@ class GGUFFile:
                 )
             self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), qtype, offset, nbytes)
         self._check_disjoint()
+        end = max((t.offset + t.nbytes for t in self.tensors.values()), default=data_start)
+        if self.size - end > limits.MAX_GGUF_TRAILING_BYTES:
+            raise self._fail(f"{self.size - end} bytes follow the last tensor; at most "
+                             f"{limits.MAX_GGUF_TRAILING_BYTES} may")
+
+    def _check_header_size(self, at: str) -> None:
+        if self._pos > limits.MAX_GGUF_HEADER_BYTES:
+            raise self._fail(f"the header runs past {limits.MAX_GGUF_HEADER_BYTES} bytes (at {at})")
 
     def _check_disjoint(self) -> None:
         """Every tensor owns its bytes: overlapping tensors would let a small file describe a huge model."""

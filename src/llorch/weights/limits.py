@@ -35,6 +35,11 @@ MAX_METADATA_KEY_BYTES = (1 << 16) - 1  # a GGUF key or tensor name (the format'
 MAX_METADATA_STRING_BYTES = 4 * MAX_TEMPLATE_CHARS  # one GGUF string value: a chat template in UTF-8
 MAX_METADATA_ARRAY_STRINGS = 1 << 16  # a GGUF string array other than the vocabulary and its merges
 MAX_METADATA_ARRAY_BYTES = 64 << 20  # the text of every GGUF string array together (a 262k vocabulary: ~3 MB)
+# A GGUF header (metadata and tensor table; Gemma 3's 262k vocabulary makes one of ~6 MB), and the bytes a
+# file may hold after its last tensor. Checked before the file is read whole for its digest: a sparse file
+# claiming gigabytes there would otherwise cost seconds of hashing for nothing the model needs.
+MAX_GGUF_HEADER_BYTES = 256 << 20
+MAX_GGUF_TRAILING_BYTES = 1 << 20
 # GGUF arrays the vocabulary sizes: their counts are checked before their elements are read.
 VOCABULARY_ARRAYS = {
     "tokenizer.ggml.tokens": MAX_VOCAB,

@@ -21,7 +21,7 @@ from llorch.models.decoder import Decoder
 from llorch.models.native import NativeDecoder
 from llorch.models.quantized import TYPE_SUFFIX, GGUFEmbedding, GGUFLinear, swap_quantized
 from llorch.weights import gguf_model, hf_model
-from llorch.weights.converted import ConversionCache, ConvertedMeta
+from llorch.weights.converted import ConversionCache, ConvertedMeta, file_sha256, known_digest
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.gguf_model import config_from_gguf, state_dict_from_gguf
 from llorch.weights.hf_model import (
@@ -197,11 +197,14 @@ def _row_bytes(path: Path, name: str, model: Decoder, state: dict[str, torch.Ten
 
 def _gguf_source(path: Path) -> ModelSource:
     """The file's metadata, from the conversion cache when this file was converted before."""
-    cache = ConversionCache(path)
+    digest = known_digest(path)
+    # A file not seen before has its header checked before it is read whole for its digest (a sparse
+    # file can claim gigabytes at no cost on disk); a warm start maps the file with the cached tensor table.
+    gguf = GGUFFile(path) if digest is None else None
+    cache = ConversionCache(digest or file_sha256(path))
     cached = cache.read_meta()
-    # The header is parsed only when the cache has no entry for the file; a warm start maps the
-    # file with the cached tensor table.
-    gguf = GGUFFile(path) if cached is None else GGUFFile(path, table=cached.tensors)
+    if gguf is None:
+        gguf = GGUFFile(path) if cached is None else GGUFFile(path, table=cached.tensors)
     fresh = _convert_gguf_meta(path, gguf) if cached is None else None
     meta = cached or fresh
     assert meta is not None
