@@ -21,6 +21,7 @@ import pytest
 from conftest import Worker, start_worker, stop_worker
 from llorch.engine.errors import RequestRejected
 from llorch.engine.grammar import Grammars
+from llorch.engine.regex_size import positions
 from llorch.engine.request import Constraint
 from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
@@ -38,20 +39,23 @@ BOMBS_RSS_BOUND_MB = 150
 HEALTH_DEADLINE_S = 1.0
 
 
-def bomb(kind: str, n: int) -> tuple[str, dict[str, Any], str]:
+def bomb(kind: str, n: int, prefix: str = "") -> tuple[str, dict[str, Any], str]:
     """(route, body, field) of the `n`th distinct bomb of `kind`: a nested repetition as OpenAI's `regex`
-    shorthand, as a chat response_format, as a Lark grammar or as a JSON schema pattern (/execute)."""
+    shorthand, as a chat response_format, as a Lark grammar or as a JSON schema pattern (/execute).
+    A `prefix` regex comes before it: the repetition is then reached only after generating it."""
     if kind == "regex":
-        return "/v1/completions", {"prompt": "b", "max_tokens": 4, "regex": f"b{{{1000 + n}}}{{1000}}"}, "regex"
+        return ("/v1/completions", {"prompt": "b", "max_tokens": 4, "regex": f"{prefix}b{{{1000 + n}}}{{1000}}"},
+                "regex")
     if kind == "response_format":
-        fmt = {"type": "regex", "regex": f"m{{{300 + n}}}{{300}}{{10}}"}
+        fmt = {"type": "regex", "regex": f"{prefix}m{{{300 + n}}}{{300}}{{10}}"}
         return ("/v1/chat/completions", {"messages": [{"role": "user", "content": "m"}], "max_tokens": 4,
                                          "response_format": fmt}, "response_format.regex")
     if kind == "lark":
         return ("/execute", {"job_id": f"lark-{n}", "prompt": "b", "max_tokens": 4,
-                             "grammar": f"start: /b{{{1000 + n}}}{{1000}}/"}, "grammar")
+                             "grammar": f"start: /{prefix}b{{{1000 + n}}}{{1000}}/"}, "grammar")
     return ("/execute", {"job_id": f"pattern-{n}", "prompt": "m", "max_tokens": 4,
-                         "json_schema": {"type": "string", "pattern": f"^m{{{300 + n}}}{{300}}{{10}}$"}}, "json_schema")
+                         "json_schema": {"type": "string", "pattern": f"^{prefix}m{{{300 + n}}}{{300}}{{10}}$"}},
+            "json_schema")
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +117,12 @@ def test_health_answers_while_the_first_constrained_request_builds_the_vocabular
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prefix", ["", "[a-z]{1,20}"], ids=["bare", "behind-a-prefix"])
 def test_a_nested_repetition_is_a_400_naming_its_field_before_any_token(worker: Worker, kind: str,
-                                                                        stream: bool) -> None:
-    route, body, field = bomb(kind, 0)
+                                                                        stream: bool, prefix: str) -> None:
+    """Behind a prefix, the first tokens of a probe never reach the repetition: the regex's size is
+    what refuses it (before, such a job streamed the prefix, then ended with an error event)."""
+    route, body, field = bomb(kind, 0, prefix)
     headers = {}
     if route == "/execute":  # the worker API always streams: SSE, or NDJSON when asked
         headers = {"accept": "application/x-ndjson"} if stream else {}
@@ -206,3 +213,17 @@ def test_a_refused_grammar_is_not_cached_and_says_why_on_one_line(tokenizer: tup
         assert "too complex for the grammar limits" in caught.value.message
         assert "<non-verbose/>" not in caught.value.message and "\n" not in caught.value.message
     assert grammars.cached_bytes == 0
+
+
+@pytest.mark.parametrize(("pattern", "expected"), [
+    (r"^\d{4}-\d{2}-\d{2}$", 12),
+    (r"[\w.+-]{1,64}@[a-z]{2,63}\.[a-z]{2,8}", 137),
+    (r"(?:ab|c){5}", 15),
+    (r"(?P<word>\p{L}{1,100}) \x{41}{3}", 104),
+    (r"[\]{]{1000}", 1000),
+    (r"[a-z]{1,20}b{1000}{1000}", 1_000_020),
+])
+def test_a_regex_is_sized_by_its_counted_repetitions(pattern: str, expected: int) -> None:
+    """The size that refuses a bomb before any token: every count multiplies what it repeats; escapes and
+    classes with braces in them are one position each."""
+    assert positions(pattern) == expected

@@ -23,6 +23,8 @@ So every compilation is bounded:
   consumed after each, so a grammar that breaks a limit in its first tokens (where the
   library notices forced bytes running out of fuel) is a 400 naming its field, not an
   error in the middle of a stream;
+- by the size of each regex it holds, counted from its text (regex_size): a nested repetition
+  behind a prefix gets past the probe, which never generates that far;
 - one grammar compiles at a time, so a burst of expensive grammars never adds up, and
   the memory a refused one took goes back to the system at once.
 Compiled grammars are cached by content, within CACHE_BYTES of the memory each took to
@@ -36,13 +38,14 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
 from llorch.engine.errors import RequestRejected
 from llorch.engine.json_bounds import JSON_OPTIONS, bounded
+from llorch.engine.regex_size import lark_patterns, positions, schema_patterns
 from llorch.engine.request import Constraint
 from llorch.engine.vocabulary import ll_tokenizer
 from llorch.memory import heap_bytes, release_freed_memory
@@ -61,6 +64,7 @@ BASE_LEXER_FUEL = 100_000
 LEXER_FUEL_PER_BYTE = 10  # of the compiled grammar's text (a JSON schema's, after json_bounds spells it out)
 MAX_LEXER_FUEL = 800_000
 PROBE_STEPS = 4
+MAX_REGEX_POSITIONS = LIMITS["max_lexer_states"]  # a lexer state per position is what a counted repeat costs
 
 
 @dataclass(frozen=True)
@@ -160,10 +164,13 @@ class Grammars:
                 schema = json.loads(constraint.source)
                 if not isinstance(schema, (dict, bool)):
                     raise reject("a JSON schema is an object (or true/false)")
+                check_regexes(schema_patterns(schema), kind, reject)
                 grammar = LLMatcher.grammar_from_json_schema(bounded(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
             elif constraint.kind == "regex":
+                check_regexes([constraint.source], kind, reject)
                 grammar = LLMatcher.grammar_from_regex(constraint.source)
             else:
+                check_regexes(lark_patterns(constraint.source), kind, reject)
                 grammar = LLMatcher.grammar_from_lark(constraint.source)
         except (ValueError, TypeError) as exc:
             raise reject(engine_message(str(exc))) from exc
@@ -177,6 +184,18 @@ class Grammars:
 
 
 NO_OUTPUT = "no output satisfies it"
+
+
+def check_regexes(patterns: Iterable[str], kind: str, reject: Callable[[str], RequestRejected]) -> None:
+    """Refuse a regex whose counted repetitions expand past the lexer's state limit: the engine would
+    only notice once generation reached them, behind a prefix mid-stream (regex_size)."""
+    for pattern in patterns:
+        count = positions(pattern)
+        if count > MAX_REGEX_POSITIONS:
+            shown = f"{pattern[:40]}..." if len(pattern) > 40 else pattern
+            raise reject(f"the {kind} is too complex for the grammar limits: the regular expression {shown!r} "
+                         f"expands to {count} positions, at most {MAX_REGEX_POSITIONS}; nested repetition such "
+                         "as a{1000}{1000} multiplies")
 
 
 def lexer_fuel(grammar: str) -> int:
