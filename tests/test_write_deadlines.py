@@ -121,3 +121,40 @@ def test_past_the_connection_limit_a_new_client_evicts_a_stalled_one(tiny_worker
     assert "left its answer unread longest" in tiny_worker.log()
     samples = settled(tiny_worker, 0, 0)
     assert samples["llorch_running_jobs"] + samples["llorch_queue_depth"] == 0
+
+
+def read_to_the_end(connection: socket.socket) -> bytes:
+    """The whole answer, read now (the worker ends a streamed answer with a zero-length chunk)."""
+    connection.settimeout(60)
+    data = bytearray()
+    while not data.endswith(b"0\r\n\r\n"):
+        chunk = connection.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def test_a_client_that_stops_reading_holds_its_job_until_it_reads_again(tiny_worker: Worker) -> None:
+    """Its job stops decoding once READER_BACKLOG events wait untaken behind the full buffers, instead of
+    running on to max_tokens with every event queued in memory; when the client reads again, the job
+    resumes and the answer is whole."""
+    url = tiny_worker.base_url
+    body = {"prompt": "the", "max_tokens": 20000, "logprobs": 5, "ignore_eos": True, "stream": True}
+    before = scrape(url)["llorch_generated_tokens_total"]
+    connection = stalled_request(url, "/v1/completions", body)
+    try:
+        generated, still_since = -1.0, time.monotonic()
+        while time.monotonic() - still_since < 2:  # until it has not moved for 2 s
+            now = scrape(url)["llorch_generated_tokens_total"] - before
+            if now != generated:
+                generated, still_since = now, time.monotonic()
+            time.sleep(0.1)
+        assert 0 < generated < body["max_tokens"] / 2, generated  # held, far from max_tokens
+        assert scrape(url)["llorch_running_jobs"] == 1  # waiting for its reader, not ended
+        answer = read_to_the_end(connection)
+    finally:
+        connection.close()
+    assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+    assert b'"finish_reason":"length"' in answer
+    assert scrape(url)["llorch_generated_tokens_total"] - before == body["max_tokens"]

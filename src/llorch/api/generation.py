@@ -86,7 +86,8 @@ async def merged(streams: list[JobStream]) -> AsyncIterator[tuple[int, Event]]:
         async for event in streams[0].events():
             yield 0, event
         return
-    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+    # Bounded, so a reader that stops taking events stops the pumps too, and with them the jobs (jobs.py).
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(index: int, stream: JobStream) -> None:
         async for event in stream.events():

@@ -1,7 +1,8 @@
 """Bridge from the engine thread to an HTTP handler: submit a prepared job, await its events.
 
 Both APIs (worker and OpenAI) submit through here, so there is one generation path.
-A stream that is abandoned before its terminal event cancels its job.
+A stream that is abandoned before its terminal event cancels its job; one whose reader falls
+behind holds its job until it catches up.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ class JobStream:
         self.engine = engine
         self.job_id = job.request.job_id
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        # Events emitted and taken, each counted by one thread only: their difference is what the reader
+        # has left untaken, which holds the job (Engine.submit) when the client stops reading.
+        self._emitted = self._taken = 0
         loop = asyncio.get_running_loop()
 
         def emit(event: Event) -> None:  # runs on the engine thread
+            self._emitted += 1
             loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
-        engine.submit(job, emit)
+        engine.submit(job, emit, backlog=lambda: self._emitted - self._taken)
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event up to and including the terminal one."""
@@ -35,6 +40,7 @@ class JobStream:
         try:
             while not terminal_seen:
                 event = await self._queue.get()
+                self._taken += 1
                 terminal_seen = event.terminal
                 yield event
         finally:

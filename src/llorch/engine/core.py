@@ -94,8 +94,8 @@ class EngineCore:
 
     def step(self) -> StepOutput:
         """schedule -> forward -> score prompts -> sample -> accept."""
-        out = StepOutput()
         plan = self.scheduler.schedule()
+        out = StepOutput(ran=bool(plan.chunks))
         for seq in plan.admitted:
             self._admitted(seq, out)
         for seq in plan.resumed:

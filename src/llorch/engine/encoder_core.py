@@ -101,7 +101,7 @@ class EncoderCore:
 
     def step(self) -> StepOutput:
         """Admit the jobs that fit one batch, compute them, report each one's pooled values."""
-        out = StepOutput()
+        out = StepOutput(ran=True)
         batch = self._admit()
         now = time.perf_counter()
         for seq in batch:

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llorch.engine")
 
+HELD_POLL_S = 0.005  # how often a loop whose every running job waits for its reader looks again
+
 
 class Engine:
     """The shell around a core: the generating core (core.py) or an encoder's (encoder_core.py), assembled by
@@ -116,8 +118,10 @@ class Engine:
         """Render, tokenize and size a request (raises RequestRejected naming the field)."""
         return self.front.prepare(request)
 
-    def submit(self, job: PreparedJob, emit: Callable[[Event], None]) -> None:
-        """Accept a job. Its events, starting with `started`, go to `emit` from the engine thread.
+    def submit(self, job: PreparedJob, emit: Callable[[Event], None],
+               backlog: Callable[[], int] | None = None) -> None:
+        """Accept a job. Its events, starting with `started`, go to `emit` from the engine thread;
+        `backlog` says how many of them its reader has not taken yet (see scheduler.READER_BACKLOG).
 
         Raises DuplicateJob for a job_id in flight, QueueFull when `max_queue` jobs already wait.
         """
@@ -137,6 +141,7 @@ class Engine:
             self._queued += 1
             self._arrivals += 1
             seq = Sequence(job, seed, self._arrivals, self.core.block_size)
+            seq.backlog = backlog
             self.output.open(request.job_id, request.stop, emit)
             self._jobs[request.job_id] = seq
         self.telemetry.accepted.inc()
@@ -176,7 +181,10 @@ class Engine:
                 self._drain_inbox(block=self.core.idle)
                 if not self.core.idle:
                     self._end_timed_out()
-                    self._report(self.core.step())
+                    out = self.core.step()
+                    self._report(out)
+                    if not out.ran:  # every running job waits for its reader: poll, do not spin
+                        self._drain_inbox(block=True, timeout=HELD_POLL_S)
         except BaseException as exc:  # the loop itself must never die silently
             with self._jobs_lock:
                 self.failed = exc
@@ -190,10 +198,10 @@ class Engine:
                     self._ended(seq)
                     self.output.fail(seq, ErrorCode.INFERENCE_FAILED, why)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, timeout: float = 0.5) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get(block=block, timeout=0.5 if block else None)
+                kind, payload = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return
             block = False

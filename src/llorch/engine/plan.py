@@ -81,3 +81,4 @@ class StepOutput:
     finished: list[tuple[Sequence, StopReason]] = field(default_factory=list)  # ended without a row (max_tokens=0)
     pooled: list[tuple[Sequence, tuple[float, ...]]] = field(default_factory=list)  # a pooled job's vector or score
     failed: list[tuple[Sequence, ErrorCode, str]] = field(default_factory=list)
+    ran: bool = False  # the model computed something (False: every running job waits, e.g. for its reader)

@@ -26,6 +26,11 @@ its chunks are capped so that a step never asks for more than SCORED_ROWS_PER_ST
 such rows (the [rows x vocabulary] logits of a whole long prompt never exist at once),
 and it reuses prefix-cached blocks only as far as it has scored already (cached
 blocks keep keys and values, not logits).
+
+A decoding row whose reader has left READER_BACKLOG events untaken (a client that stopped
+reading its stream) is skipped until the reader catches up: a slow reader slows its own
+job, and what waits for it stays bounded, where the events would otherwise queue until
+max_tokens or the write deadline.
 """
 
 from __future__ import annotations
@@ -44,9 +49,18 @@ from llorch.engine.speculative import NgramSpeculation, Proposal, RowSpeculation
 SCORED_ROWS_PER_STEP = 64
 
 
+# Events a stream's reader may leave untaken before its job stops decoding (a few times what one step of a
+# speculating row emits; logprobs double the events per token).
+READER_BACKLOG = 256
+
+
 class GrammarRefused(RuntimeError):
     """A constrained job's grammar refused a token its own mask allowed (a grammar engine fault)."""
 
+
+def held(seq: Sequence) -> bool:
+    """Its reader has left READER_BACKLOG events untaken: the job keeps its KV blocks and waits."""
+    return seq.backlog is not None and seq.backlog() >= READER_BACKLOG
 
 class Scheduler:
     def __init__(self, blocks: BlockAllocator, max_running: int, max_batch_tokens: int,
@@ -149,7 +163,7 @@ class Scheduler:
             if seq.state is not SequenceState.RUNNING:  # preempted earlier in this loop
                 continue
             tokens = 1 if seq.pending == 1 else self._chunk(seq, budget)
-            if tokens == 0:
+            if tokens == 0 or (tokens == 1 and held(seq)):
                 continue
             if not self._grow(seq, seq.blocks.computed + tokens, plan):
                 continue

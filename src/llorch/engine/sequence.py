@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,9 @@ class Sequence:
         self.draft: list[int] = []  # tokens proposed after the last one, verified by the step being run
         self.speculation: RowSpeculation | None = None  # its proposal state, from its first proposal
         self.accepted_at = time.perf_counter()
+        # Events its reader has not taken yet (None: a reader that takes each at once). A stream whose client
+        # stops reading stops decoding at READER_BACKLOG (scheduler) instead of queueing events without end.
+        self.backlog: Callable[[], int] | None = None
         # Prompt scoring (request.prompt_logprobs): the next prompt position whose log-probability is owed.
         # Position 0 has none; scoring is done when this reaches the prompt's length.
         self.next_scored = 1 if job.request.prompt_logprobs is not None else len(job.prompt_ids)
