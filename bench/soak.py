@@ -151,6 +151,17 @@ def stalled_request(url: str, path: str, body: dict[str, object]) -> socket.sock
     return connection
 
 
+def closed_within(connection: socket.socket, seconds: float) -> bool:
+    """Whether the server closes (or resets) the connection within `seconds` (reading at most one byte)."""
+    connection.settimeout(max(seconds, 0.01))
+    try:
+        return connection.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def closed_by_peer(connection: socket.socket) -> bool:
     """Whether the other side has reset or closed the connection, seen without reading a byte of it (Linux)."""
     return connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in TCP_CLOSED_STATES

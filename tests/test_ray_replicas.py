@@ -1,22 +1,26 @@
 """llorch engines as Ray Serve replicas: a local Ray cluster, two CPU replicas of the tiny model.
 
 `llorch-ray-serve` is run as a user runs it (it starts its own local cluster and stops it on
-SIGTERM); everything is on loopback. The replicas take 4 jobs each plus 2 waiting, and the router
-keeps a prefix on its replica up to 8 requests more than the other: a burst of 8 requests that
-share a prefix overfills that replica, and the front must send the 2 it refuses to the other.
+SIGTERM); everything is on loopback. Clients reach its front (replicas/front.py), the worker's own
+HTTP server with its deadlines for slow clients, which relays each request to Ray's proxy.
+The replicas take 4 jobs each plus 2 waiting, and the router keeps a prefix on its replica up to 8
+requests more than the other: a burst of 8 requests that share a prefix overfills that replica, and
+the gateway must send the 2 it refuses to the other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,8 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import Worker, free_port, start_worker, stop_worker
 from launch import Server, start_server
 from launch import stop as stop_server
+from llorch.api.connections import HEADER_TIMEOUT_S
 from llorch.device import resolve_backend
 from llorch.errors import BackendUnavailable
+from llorch.replicas.front import Relay
+from soak import closed_within
 from tiny_model import write_tiny_gemma3
 
 pytestmark = pytest.mark.cpu
@@ -208,6 +215,139 @@ def test_a_client_that_goes_away_cancels_its_job_on_the_replica(cluster: Server)
         time.sleep(0.1)
     else:
         pytest.fail(f"cancelled {cancelled - before} of 2 abandoned jobs; {in_flight} jobs still in flight")
+
+
+def address(base_url: str) -> tuple[str, int]:
+    host, port = base_url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def raw_exchange(base_url: str, request: bytes) -> bytes:
+    """Send `request` as it is and read until the server closes the connection."""
+    with socket.create_connection(address(base_url), timeout=30) as connection:
+        connection.sendall(request)
+        answer = bytearray()
+        while chunk := connection.recv(1 << 16):
+            answer += chunk
+    return bytes(answer)
+
+
+def test_a_client_that_stalls_sending_its_request_is_closed_by_the_header_deadline(cluster: Server) -> None:
+    """Ray's proxy kept such connections open for as long as the client liked; the front closes them
+    HEADER_TIMEOUT_S after they opened, and answers everyone else meanwhile."""
+    half_headers = b"POST /execute HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+    opened = time.monotonic()
+    stalled = [socket.create_connection(address(cluster.base_url)) for _ in range(6)]
+    try:
+        for connection in stalled[::2]:  # the others send nothing at all
+            connection.sendall(half_headers)
+        answered = complete(cluster.base_url, "the a of", 8)
+        assert answered.status_code == 200 and answered.json()["choices"][0]["text"]
+        assert health(cluster.base_url)["status"] == "healthy"
+        closed_after = [closed_within(c, opened + HEADER_TIMEOUT_S + 5 - time.monotonic()) and time.monotonic() - opened
+                        for c in stalled]
+        # Closed by the deadline: not sooner (a slow client may still finish), not much later.
+        assert all(HEADER_TIMEOUT_S - 1 < after < HEADER_TIMEOUT_S + 5 for after in closed_after), closed_after
+    finally:
+        for connection in stalled:
+            connection.close()
+
+
+def http_body(answer: bytes) -> bytes:
+    """The body of a raw HTTP/1.1 answer, chunked or not."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body
+    data = bytearray()
+    while (size := int(body.split(b"\r\n", 1)[0], 16)) > 0:
+        start = body.index(b"\r\n") + 2
+        data += body[start:start + size]
+        body = body[start + size + 2:]
+    return bytes(data)
+
+
+def test_a_body_framed_twice_is_refused_and_either_framing_alone_is_relayed(cluster: Server) -> None:
+    body = json.dumps({"prompt": "the a of"}).encode()
+    chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    head = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    twice = raw_exchange(cluster.base_url, head + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+    assert twice.startswith(b"HTTP/1.1 400 "), twice[:200]
+    assert b"Content-Length and Transfer-Encoding" in twice
+    expected = httpx.post(f"{cluster.base_url}/tokenize", json={"prompt": "the a of"}, timeout=30).json()
+    for framing in (f"Content-Length: {len(body)}\r\n\r\n".encode() + body,
+                    b"Transfer-Encoding: chunked\r\n\r\n" + chunked):
+        answer = raw_exchange(cluster.base_url, head + b"Connection: close\r\n" + framing)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+        assert json.loads(http_body(answer)) == expected and expected["tokens"]
+
+
+@pytest.mark.parametrize("accept", ["text/event-stream", "application/x-ndjson"])
+def test_events_arrive_through_the_front_as_the_job_produces_them(cluster: Server, accept: str) -> None:
+    """The front relays each chunk as it comes: a job's `started` event is read before it decodes, its
+    `end` once it is done (an answer held back anywhere would bring both at once)."""
+    body = {"job_id": f"live-{accept.split('/')[1]}", "prompt": "the a of", "max_tokens": 2048, "temperature": 0}
+    arrivals: list[tuple[float, dict[str, Any]]] = []
+    with httpx.stream("POST", f"{cluster.base_url}/execute", json=body, headers={"Accept": accept},
+                      timeout=60) as stream:
+        assert stream.status_code == 200 and stream.headers["content-type"].startswith(accept)
+        for line in stream.iter_lines():
+            if line.startswith(("{", "data: ")):
+                arrivals.append((time.monotonic(), json.loads(line.removeprefix("data: "))))
+    (first_at, first), (end_at, end) = arrivals[0], arrivals[-1]
+    assert first["type"] == "started" and end["type"] == "end" and end["stop_reason"] == "MAX_TOKENS"
+    assert end_at - first_at > 0.5 * end["decode_time_ms"] / 1000, (end_at - first_at, end)
+
+
+def relayed(handler: Callable[[httpx.Request], Any], method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """`method url` sent through the front's relay to `handler`, standing in for Ray's proxy."""
+    async def send() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as to_ray:
+            relay = Relay(to_ray, httpx.URL("http://127.0.0.1:9"))
+            transport = httpx.ASGITransport(relay, client=("203.0.113.7", 5000))  # type: ignore[arg-type]
+            async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+                return await client.request(method, url, **kwargs)
+    return asyncio.run(send())
+
+
+def test_the_relay_passes_the_request_and_the_answer_less_their_hop_by_hop_headers() -> None:
+    seen: list[tuple[httpx.Request, bytes]] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: {}\n\n"
+
+    async def ray_proxy(request: httpx.Request) -> httpx.Response:
+        seen.append((request, await request.aread()))
+        return httpx.Response(201, content=events(), headers=[
+            ("Content-Type", "text/event-stream"), ("X-Llorch-Replica", "r1"), ("Connection", "keep-alive, x-hop"),
+            ("X-Hop", "1"), ("Keep-Alive", "timeout=90"), ("Server", "uvicorn")])
+
+    answer = relayed(ray_proxy, "POST", "/v1/chat/completions?stream=1&q=a%20b", content=b'{"a": 1}', headers={
+        "Content-Type": "application/json", "Authorization": "Bearer k", "Accept": "text/event-stream",
+        "X-Custom": "kept", "Connection": "keep-alive, x-hop", "X-Hop": "1", "Keep-Alive": "timeout=5",
+        "Upgrade": "h2c", "TE": "trailers", "X-Forwarded-For": "10.0.0.1", "X-Forwarded-Proto": "https"})
+    (request, body), = seen
+    assert request.method == "POST" and request.url.raw_path == b"/v1/chat/completions?stream=1&q=a%20b"
+    assert body == b'{"a": 1}' and request.headers["content-length"] == "8"
+    for name, value in (("content-type", "application/json"), ("authorization", "Bearer k"),
+                        ("accept", "text/event-stream"), ("x-custom", "kept"), ("host", "127.0.0.1:9"),
+                        ("x-forwarded-for", "203.0.113.7"), ("x-forwarded-proto", "http")):  # not what it claims
+        assert request.headers.get(name) == value, name
+    assert not {"connection", "x-hop", "keep-alive", "upgrade", "te", "transfer-encoding"} & set(request.headers)
+    assert answer.status_code == 201 and answer.content == b"data: {}\n\n"
+    assert answer.headers["content-type"] == "text/event-stream" and answer.headers["x-llorch-replica"] == "r1"
+    assert not {"connection", "x-hop", "keep-alive", "server"} & set(answer.headers)
+
+
+def test_the_relay_answers_503_in_the_api_s_shape_when_ray_s_proxy_is_unreachable() -> None:
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("All connection attempts failed", request=request)
+
+    openai_shaped = relayed(refused, "POST", "/v1/completions", json={"prompt": "x"})
+    assert openai_shaped.status_code == 503 and openai_shaped.headers["retry-after"] == "1"
+    assert openai_shaped.json()["error"]["code"] == "unavailable"
+    assert "cannot be reached" in openai_shaped.json()["error"]["message"]
+    worker_shaped = relayed(refused, "GET", "/health")
+    assert worker_shaped.status_code == 503 and worker_shaped.json()["errors"][0]["field"] == "worker"
 
 
 def test_killing_a_replica_ends_its_streams_once_and_it_comes_back(cluster: Server) -> None:

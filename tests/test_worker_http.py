@@ -11,7 +11,7 @@ import pytest
 
 from conftest import Worker, greedy_ids
 from llorch.weights.loader import LoadedModel
-from soak import scrape
+from soak import closed_within, scrape
 
 pytestmark = pytest.mark.cpu
 
@@ -311,21 +311,12 @@ def test_slow_and_idle_connections_cannot_hold_the_server(worker: Worker) -> Non
                 assert time.monotonic() - started < 1.0
             assert client.get("/v1/models").status_code == 200
 
-        def closed(connection: socket.socket, wait: float) -> bool:
-            connection.settimeout(max(wait, 0.01))
-            try:
-                return connection.recv(1) == b""
-            except ConnectionResetError:
-                return True
-            except TimeoutError:
-                return False
-
         header_deadline = opened + HEADER_TIMEOUT_S + 3
         for connection in slow[b""] + slow[half_headers]:
-            assert closed(connection, header_deadline - time.monotonic())
+            assert closed_within(connection, header_deadline - time.monotonic())
         body_deadline = opened + BODY_TIMEOUT_S + 3
         for connection in slow[half_body]:
-            assert closed(connection, body_deadline - time.monotonic())
+            assert closed_within(connection, body_deadline - time.monotonic())
     finally:
         for connection in (c for group in slow.values() for c in group):
             connection.close()

@@ -4,8 +4,10 @@
     llorch-ray-serve --backend cpu --replicas 2 --replica-cpus 1 --port 8000
 
 Every flag of the backend's worker program is accepted, checked here as that program checks
-them, and given to each replica as parsed settings (settings.py). --host/--port place Ray's HTTP
-proxy. Without --ray-address a local Ray cluster is started for this process and stopped with it.
+them, and given to each replica as parsed settings (settings.py). --host/--port place the front
+(front.py): the worker's own HTTP server, with its deadlines for slow clients, relaying to Ray's
+HTTP proxy on a loopback port. So Ray's proxy runs on this host, which must be the cluster's head.
+Without --ray-address a local Ray cluster is started for this process and stopped with it.
 SIGTERM/SIGINT remove the application (Ray lets running requests finish for --drain-timeout) and exit.
 """
 
@@ -14,14 +16,15 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from llorch.device import physical_cores
 from llorch.engine.config import EngineConfig
 from llorch.logs import setup_logging
+from llorch.replicas.front import Front
 from llorch.settings import ServingSettings
 from llorch.workers import build_parser, failure_line, positive_int, report_failure
 
@@ -34,6 +37,8 @@ GATEWAY_DEPLOYMENT = "llorch-gateway"
 CONTROL_HEADROOM = 16  # requests beyond the engine's own capacity a replica takes: /health, /metrics, /cancel
 ROUTER = "llorch.replicas.router:PrefixAffinityRouter"  # imported where each handle routes
 NOT_FOR_REPLICAS = ("callback_url", "worker_id")  # the ready callback is the single worker's contract
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # the resource only Ray's head node has
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -136,40 +141,89 @@ def _serve(options: ClusterOptions, worker: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    try:  # bound before Ray starts: a taken port fails at once
+        front = Front(worker.host, worker.port, worker.max_connections)
+    except OSError as exc:
+        report_failure(PROGRAM, f"could not serve on {worker.host}:{worker.port}: {exc.strerror or exc}")
+        return 1
     address = options.ray_address
-    # "local" starts a cluster of this command's own even where another runs on this machine
-    # (with no address Ray would join that one, and replace its application).
-    ray.init(address=address or "local", include_dashboard=False if address is None else None,
-             logging_level=logging.WARNING, log_to_driver=True)
     try:
-        gpus = ray.cluster_resources().get("GPU", 0)
-        if options.replica_gpus and gpus < options.replicas * options.replica_gpus:
-            report_failure(PROGRAM, f"cuda backend unavailable: the Ray cluster has {gpus:g} GPU(s); "
-                                    f"{options.replicas} replica(s) of {options.replica_gpus:g} need "
-                                    f"{options.replicas * options.replica_gpus:g}")
-            return 2
-        serve.start(http_options={"host": worker.host, "port": worker.port})
+        # "local" starts a cluster of this command's own even where another runs on this machine
+        # (with no address Ray would join that one, and replace its application).
+        ray.init(address=address or "local", include_dashboard=False if address is None else None,
+                 logging_level=logging.WARNING, log_to_driver=True)
         try:
-            # Ray Serve's access log is a line per request per hop, shipped to this process: the
-            # worker's own logs say what happened to each job.
-            serve.run(build_application(options), name=APPLICATION, route_prefix="/",
-                      logging_config={"enable_access_log": False})
-        except RuntimeError as exc:
-            report_failure(PROGRAM, _startup_reason(exc, _deployment_message(serve)))
-            return 1
-        log.info("serving", extra={"uri": f"http://{worker.host}:{worker.port}", "replicas": options.replicas,
-                                   "backend": options.backend, "local_cluster": address is None})
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            log.info("stopping")
-        serve.delete(APPLICATION)
-        return 0
+            return _serve_on_ray(options, worker, front, serve)
+        finally:
+            if address is None:
+                serve.shutdown()
+            ray.shutdown()
     finally:
-        if address is None:
-            serve.shutdown()
-        ray.shutdown()
+        front.stop()
+
+
+def _serve_on_ray(options: ClusterOptions, worker: argparse.Namespace, front: Front, serve: Any) -> int:
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if options.replica_gpus and gpus < options.replicas * options.replica_gpus:
+        report_failure(PROGRAM, f"cuda backend unavailable: the Ray cluster has {gpus:g} GPU(s); "
+                                f"{options.replicas} replica(s) of {options.replica_gpus:g} need "
+                                f"{options.replicas * options.replica_gpus:g}")
+        return 2
+    if not _on_head_node(ray):
+        report_failure(PROGRAM, "run this command on the Ray cluster's head host: Ray's HTTP proxy runs there, "
+                                "reachable from that host only")
+        return 2
+    # Ray's proxy listens on loopback only: clients reach it through the front, with its deadlines.
+    serve.start(proxy_location="HeadOnly", http_options={"host": LOOPBACK, "port": _free_loopback_port()})
+    if not front.start(_proxy_url()):
+        report_failure(PROGRAM, f"could not serve on {worker.host}:{worker.port}")
+        return 1
+    try:
+        # Ray Serve's access log is a line per request per hop, shipped to this process: the
+        # worker's own logs say what happened to each job.
+        serve.run(build_application(options), name=APPLICATION, route_prefix="/",
+                  logging_config={"enable_access_log": False})
+    except RuntimeError as exc:
+        report_failure(PROGRAM, _startup_reason(exc, _deployment_message(serve)))
+        return 1
+    log.info("serving", extra={"uri": f"http://{worker.host}:{front.port}", "replicas": options.replicas,
+                               "backend": options.backend, "local_cluster": options.ray_address is None})
+    code = 0
+    try:
+        front.wait()  # serves until a signal interrupts it
+        log.error("the HTTP server stopped")
+        code = 1
+    except KeyboardInterrupt:
+        log.info("stopping")
+    # The front relays until the application is gone, so answers under way finish as Ray drains them.
+    serve.delete(APPLICATION)
+    return code
+
+
+def _on_head_node(ray: Any) -> bool:
+    here = ray.get_runtime_context().get_node_id()
+    return any(node["NodeID"] == here and HEAD_NODE_RESOURCE in node["Resources"] for node in ray.nodes())
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def _proxy_url() -> str:
+    """Where Ray's proxy listens: as asked, or as a Serve instance already running on the cluster was
+    started (Ray keeps that one's options, and only its client says which they are)."""
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config
+    if config.host not in (LOOPBACK, "localhost", "::1"):
+        log.warning("Ray's HTTP proxy was started earlier beyond loopback: clients reaching it there have no "
+                    "deadlines", extra={"host": config.host, "port": config.port})
+    host = LOOPBACK if config.host in ("0.0.0.0", "::", "localhost") else config.host
+    return f"http://{host}:{config.port}" if ":" not in host else f"http://[{host}]:{config.port}"
 
 
 def _deployment_message(serve: Any) -> str:
