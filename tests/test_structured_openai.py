@@ -216,11 +216,11 @@ def test_the_gemma_family_template_renders_gemma_turns(messages: list[dict[str, 
 
 
 def test_family_is_chosen_from_architecture_and_vocabulary() -> None:
-    assert family_for("gemma3", {"<start_of_turn>": 1, "<end_of_turn>": 2}).name == "gemma"
+    assert family_for("gemma3", {"<start_of_turn>": 1, "<end_of_turn>": 2}.__contains__).name == "gemma"
     llama3 = {"<|start_header_id|>": 1, "<|end_header_id|>": 2, "<|eot_id|>": 3}
-    assert family_for("llama", llama3).name == "llama3"
-    assert family_for("qwen2", {"<|im_start|>": 1, "<|im_end|>": 2}).name == "chatml"
-    assert family_for("llama", {"hello": 1}).name == "plain"  # markers the vocabulary lacks are never used
+    assert family_for("llama", llama3.__contains__).name == "llama3"
+    assert family_for("qwen2", {"<|im_start|>": 1, "<|im_end|>": 2}.__contains__).name == "chatml"
+    assert family_for("llama", {"hello": 1}.__contains__).name == "plain"  # markers the vocabulary lacks are never used
 
 
 def test_tool_formats_follow_the_template() -> None:

@@ -86,7 +86,7 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
         source, name = read_template_file(Path(path)), "file"
     tokenizer = loaded.tokenizer
     if source is None:
-        family = family_for(loaded.config.architecture, tokenizer.backend.get_vocab())
+        family = family_for(loaded.config.architecture, tokenizer.has_token)
         source, name = family.template, f"family:{family.name}"
     log.info("chat template", extra={"chat_template": name})
     bos = tokenizer.token_text(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else ""

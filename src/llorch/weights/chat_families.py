@@ -11,6 +11,7 @@ assistant; tools and tool results reach them already written as text (tool_promp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 GEMMA = """{{ bos_token }}
@@ -77,10 +78,10 @@ FAMILIES = (
 PLAIN_FAMILY = Family("plain", (), (), PLAIN)
 
 
-def family_for(architecture: str, vocabulary: set[str] | dict[str, int]) -> Family:
-    """The family whose architecture matches and whose turn markers are single tokens of this vocabulary;
-    failing that, any family whose markers are; failing that, the plain transcript."""
-    fits = [f for f in FAMILIES if all(marker in vocabulary for marker in f.markers)]
+def family_for(architecture: str, has_token: Callable[[str], bool]) -> Family:
+    """The family whose architecture matches and whose turn markers are single tokens of the vocabulary
+    (`has_token`); failing that, any family whose markers are; failing that, the plain transcript."""
+    fits = [f for f in FAMILIES if all(has_token(marker) for marker in f.markers)]
     for family in fits:
         if architecture.lower() in family.architectures:
             return family
