@@ -40,9 +40,8 @@ def repacked(weight: Tensor, qtype: int, k: int, lib: ctypes.CDLL | None = None)
     """
     lib = lib or library()
     layout = int(lib.llorch_repacked_type(int(qtype), weight.shape[0]))
-    if layout != int(qtype):
-        source = weight.clone()
-        lib.llorch_repack(layout, source.data_ptr(), weight.shape[0], k, weight.data_ptr())
+    if layout != int(qtype) and lib.llorch_repack(layout, weight.data_ptr(), weight.shape[0], k) != 0:
+        raise MemoryError(f"repacking a matrix of {weight.shape[0]} rows: no memory for its row groups' copies")
     return layout
 
 

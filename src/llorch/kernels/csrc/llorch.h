@@ -176,7 +176,7 @@ void llorch_matrix_row(int type, const uint8_t *data, int64_t k, int64_t r, floa
  * of a block (0 for a file type), and the rearrangement (src and dst must not overlap). */
 int llorch_repacked_type(int type, int64_t rows);
 int64_t llorch_group_bytes(int type);
-void llorch_repack(int type, const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst);
+int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k);
 
 /* Their kernels (interleaved.c): weight rows [j0, j1) (whole groups) against `tile` (1..4)
  * activation rows, into out[t * ldo + j]. `ahead`: the first pass over these weight rows, so

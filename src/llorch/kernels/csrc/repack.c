@@ -155,15 +155,38 @@ static void unpack(int type, const uint8_t *group, int r, uint8_t *b) {
     }
 }
 
-void llorch_repack(int type, const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst) {
+/* In place: a group of eight rows holds the same bytes before and after (blocks x 8 x block bytes),
+ * so each group is copied aside and packed back over itself. Copying the whole matrix instead cost
+ * a transient as large as the vocabulary projection (137 MB on the default model). 0, or -1 when
+ * the per-thread copies cannot be allocated (nothing is changed then). */
+int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k) {
     const int64_t blocks = k / block_values(type), group = llorch_group_bytes(type), block_bytes = group / ROWS;
-    memset(dst, 0, (size_t)(rows * blocks * block_bytes));
-    for (int64_t g = 0; g < rows / ROWS; g++)
+    const int64_t span = blocks * group, groups = rows / ROWS;
+#ifdef _OPENMP
+    const int threads = omp_get_max_threads();
+#else
+    const int threads = 1;
+#endif
+    uint8_t *copies = llorch_alloc((size_t)(span * threads));
+    if (copies == NULL) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && groups > 1)
+    for (int64_t g = 0; g < groups; g++) {
+#ifdef _OPENMP
+        uint8_t *copy = copies + (int64_t)omp_get_thread_num() * span;
+#else
+        uint8_t *copy = copies;
+#endif
+        uint8_t *rows_here = data + g * span;
+        memcpy(copy, rows_here, (size_t)span);
+        memset(rows_here, 0, (size_t)span);
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *sources[ROWS];
-            for (int r = 0; r < ROWS; r++) sources[r] = src + ((g * ROWS + r) * blocks + b) * block_bytes;
-            pack(type, sources, dst + (g * blocks + b) * group);
+            for (int r = 0; r < ROWS; r++) sources[r] = copy + (r * blocks + b) * block_bytes;
+            pack(type, sources, rows_here + b * group);
         }
+    }
+    free(copies);
+    return 0;
 }
 
 void llorch_matrix_row(int type, const uint8_t *data, int64_t k, int64_t r, float *out) {
