@@ -227,3 +227,16 @@ def test_a_regex_is_sized_by_its_counted_repetitions(pattern: str, expected: int
     """The size that refuses a bomb before any token: every count multiplies what it repeats; escapes and
     classes with braces in them are one position each."""
     assert positions(pattern) == expected
+
+
+def test_a_grammar_refused_by_its_text_builds_no_vocabulary_view(tokenizer: tuple[Tokenizer, int]) -> None:
+    """The view takes about a second, holding Python's lock: a request refused for its text alone
+    (too long, a schema that is not one, a regex too large) is answered without it."""
+    grammars = Grammars(*tokenizer)
+    for constraint in (Constraint("regex", "[a-z]{1,20}b{1000}{1000}", "regex"),
+                       Constraint("json_schema", "[1, 2]", "json_schema"),
+                       Constraint("lark", "start: /b{1000}{1000}/", "grammar"),
+                       Constraint("regex", "a" * (64 << 10), "regex")):
+        with pytest.raises(RequestRejected):
+            grammars.compile(constraint)
+    assert grammars._ll_tokenizer is None

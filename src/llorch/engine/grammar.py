@@ -114,6 +114,7 @@ class Grammars:
         compiled = self._lookup(key)
         if compiled is not None:
             return compiled
+        grammar = grammar_text(constraint)  # a refusal that needs no vocabulary builds none (ll_tokenizer)
         tokenizer = self.ll_tokenizer
         with self._compile_lock:  # one at a time: each is measured alone, and expensive ones never stack up
             compiled = self._lookup(key)  # compiled for another request while this one waited
@@ -121,7 +122,7 @@ class Grammars:
                 return compiled
             before = heap_bytes()
             try:
-                matcher = self._matcher(constraint, tokenizer)
+                matcher = self._matcher(constraint, grammar, tokenizer)
             except RequestRejected:
                 release_freed_memory()  # what the refused grammar took goes back to the system now
                 raise
@@ -150,37 +151,45 @@ class Grammars:
                 _, old = self._cache.popitem(last=False)
                 self._cached_bytes -= old.nbytes
 
-    def _matcher(self, constraint: Constraint, tokenizer: LLTokenizer) -> LLMatcher:
-        kind = KIND_NAMES[constraint.kind]
-
-        def reject(message: str) -> RequestRejected:
-            return RequestRejected(constraint.field, f"a valid {kind}", message, code="invalid_grammar")
-
-        size = len(constraint.source.encode())
-        if size > MAX_GRAMMAR_BYTES:
-            raise reject(f"the {kind} is {size} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
-        try:
-            if constraint.kind == "json_schema":
-                schema = json.loads(constraint.source)
-                if not isinstance(schema, (dict, bool)):
-                    raise reject("a JSON schema is an object (or true/false)")
-                check_regexes(schema_patterns(schema), kind, reject)
-                grammar = LLMatcher.grammar_from_json_schema(bounded(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
-            elif constraint.kind == "regex":
-                check_regexes([constraint.source], kind, reject)
-                grammar = LLMatcher.grammar_from_regex(constraint.source)
-            else:
-                check_regexes(lark_patterns(constraint.source), kind, reject)
-                grammar = LLMatcher.grammar_from_lark(constraint.source)
-        except (ValueError, TypeError) as exc:
-            raise reject(engine_message(str(exc))) from exc
+    def _matcher(self, constraint: Constraint, grammar: str, tokenizer: LLTokenizer) -> LLMatcher:
         limits = LLParserLimits(**LIMITS, initial_lexer_fuel=lexer_fuel(grammar), verbose_errors=False)
         matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         problem = probe(matcher, self._tokenizer.eos_token_ids)
         if problem is not None:
             del matcher  # its memory goes now, not when the exception's traceback does
-            raise reject(problem if problem == NO_OUTPUT else explained(kind, problem))
+            raise refusal(constraint, problem if problem == NO_OUTPUT else explained(KIND_NAMES[constraint.kind],
+                                                                                      problem))
         return matcher
+
+
+def refusal(constraint: Constraint, message: str) -> RequestRejected:
+    return RequestRejected(constraint.field, f"a valid {KIND_NAMES[constraint.kind]}", message, code="invalid_grammar")
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The constraint as the grammar engine's text, after every check that needs no vocabulary."""
+    kind = KIND_NAMES[constraint.kind]
+
+    def reject(message: str) -> RequestRejected:
+        return refusal(constraint, message)
+
+    size = len(constraint.source.encode())
+    if size > MAX_GRAMMAR_BYTES:
+        raise reject(f"the {kind} is {size} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+    try:
+        if constraint.kind == "json_schema":
+            schema = json.loads(constraint.source)
+            if not isinstance(schema, (dict, bool)):
+                raise reject("a JSON schema is an object (or true/false)")
+            check_regexes(schema_patterns(schema), kind, reject)
+            return LLMatcher.grammar_from_json_schema(bounded(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        if constraint.kind == "regex":
+            check_regexes([constraint.source], kind, reject)
+            return LLMatcher.grammar_from_regex(constraint.source)
+        check_regexes(lark_patterns(constraint.source), kind, reject)
+        return LLMatcher.grammar_from_lark(constraint.source)
+    except (ValueError, TypeError) as exc:
+        raise reject(engine_message(str(exc))) from exc
 
 
 NO_OUTPUT = "no output satisfies it"
