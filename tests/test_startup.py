@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_one_line_failure, free_port, run_worker_to_exit, start_worker, stop_worker
+from launch import worker_command
 
 pytestmark = pytest.mark.cpu
 
@@ -157,3 +159,12 @@ def test_kv_cache_budgets_that_cannot_hold_two_blocks_are_refused() -> None:
     # One 16-token block of the default model in float32 is 0.56 MB: 1 MB holds only one.
     result = run_worker_to_exit("--kv-cache-mb", "1", "--dtype", "f32")
     assert_one_line_failure(result, "--kv-cache-mb 1 is smaller than two KV blocks of this model")
+
+
+@pytest.mark.parametrize("program", ["llorch-cpu-worker", "llorch-cuda-worker", "llorch-accelerate-worker"])
+def test_help_lists_the_flags(program: str) -> None:
+    """`--help` printed nothing but a traceback while one flag's help held a bare percent sign."""
+    result = subprocess.run([*worker_command(program), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--kv-cache-mb" in result.stdout and "50% of the GPU" in result.stdout
+    assert "--grammar-at-start" in result.stdout
