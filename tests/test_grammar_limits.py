@@ -19,12 +19,14 @@ import httpx
 import pytest
 
 from conftest import Worker, start_worker, stop_worker
+from jobs import make_engine
 from llorch.engine.errors import RequestRejected
 from llorch.engine.grammar import Grammars
 from llorch.engine.regex_size import positions
 from llorch.engine.request import Constraint
 from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
+from llorch.weights.loader import LoadedModel
 from llorch.weights.tokenizer import Tokenizer, tokenizer_from_gguf
 from soak import rss_mb
 
@@ -240,3 +242,12 @@ def test_a_grammar_refused_by_its_text_builds_no_vocabulary_view(tokenizer: tupl
         with pytest.raises(RequestRejected):
             grammars.compile(constraint)
     assert grammars._ll_tokenizer is None
+
+
+@pytest.mark.parametrize("at_start", [False, True])
+def test_the_vocabulary_view_is_built_at_start_only_when_asked(served: LoadedModel, at_start: bool) -> None:
+    """--grammar-at-start moves the view's build (and its pause of every other answer) into loading;
+    without it a worker that never sees a constrained request never pays its memory."""
+    engine = make_engine(served, start=False, grammar_at_start=at_start)
+    assert engine.front.grammars is not None
+    assert (engine.front.grammars._ll_tokenizer is not None) == at_start

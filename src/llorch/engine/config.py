@@ -44,6 +44,7 @@ class EngineConfig:
     draft_model: str | None = None  # GGUF file or Hugging Face directory of the same vocabulary
     speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS  # proposals per row and step, at most
     pooling: str | None = None  # an embedding model's pooling (mean, cls, last) or rank; None: its files'
+    grammar_at_start: bool = False  # build the grammar engine's vocabulary view while loading, not on first use
 
     def with_limits(self, kind: str) -> EngineConfig:
         """The batching limits the operator left unset, at the defaults of the model's kind."""
@@ -60,7 +61,7 @@ class EngineConfig:
                    max_prompt_tokens=args.max_prompt_tokens, dequantize=getattr(args, "dequantize", False),
                    chat_template_file=args.chat_template_file, speculative=args.speculative,
                    draft_model=args.draft_model, speculative_tokens=args.speculative_tokens,
-                   pooling=getattr(args, "pooling", None))
+                   pooling=getattr(args, "pooling", None), grammar_at_start=args.grammar_at_start)
 
 
 def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:

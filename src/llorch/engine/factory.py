@@ -220,8 +220,11 @@ def decoder_engine(runner: ModelRunner, tokenizer: Tokenizer, config: EngineConf
     assert config.ctx_size is not None and config.max_running is not None and config.max_batch_tokens is not None
     blocks = BlockAllocator(runner.kv.num_blocks, runner.kv.block_size, config.prefix_caching)
     scheduler = Scheduler(blocks, config.max_running, config.max_batch_tokens, tokenizer.eos_token_ids, speculation)
+    grammars = Grammars(tokenizer, runner.config.vocab_size)
+    if config.grammar_at_start:  # its build holds Python's lock for about a second: here rather than mid-serving
+        grammars.prepare()
     front = FrontDoor(tokenizer, chat_template, config.ctx_size, runner.kv.tokens, config.max_prompt_tokens,
-                      Grammars(tokenizer, runner.config.vocab_size), runner.config.vocab_size, kind=kind)
+                      grammars, runner.config.vocab_size, kind=kind)
     return Engine(EngineCore(runner, scheduler, telemetry, pool), front, tokenizer, config,
                   model_name=model_name, model_id=model_id, telemetry=telemetry, model_path=model_path,
                   embedding=embedding)

@@ -102,6 +102,10 @@ class Grammars:
                 self._ll_tokenizer = ll_tokenizer(self._tokenizer, self._vocab_size)
             return self._ll_tokenizer
 
+    def prepare(self) -> None:
+        """Build the vocabulary view now (--grammar-at-start), so no request waits for it."""
+        _ = self.ll_tokenizer
+
     @property
     def cached_bytes(self) -> int:
         """The memory the cached grammars took to compile, as measured."""
