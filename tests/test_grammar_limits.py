@@ -241,7 +241,7 @@ def test_a_grammar_refused_by_its_text_builds_no_vocabulary_view(tokenizer: tupl
                        Constraint("regex", "a" * (64 << 10), "regex")):
         with pytest.raises(RequestRejected):
             grammars.compile(constraint)
-    assert grammars._ll_tokenizer is None
+    assert not grammars.vocabulary_ready
 
 
 @pytest.mark.parametrize("at_start", [False, True])
@@ -250,4 +250,4 @@ def test_the_vocabulary_view_is_built_at_start_only_when_asked(served: LoadedMod
     without it a worker that never sees a constrained request never pays its memory."""
     engine = make_engine(served, start=False, grammar_at_start=at_start)
     assert engine.front.grammars is not None
-    assert (engine.front.grammars._ll_tokenizer is not None) == at_start
+    assert engine.front.grammars.vocabulary_ready == at_start

@@ -107,6 +107,11 @@ class Grammars:
         _ = self.ll_tokenizer
 
     @property
+    def vocabulary_ready(self) -> bool:
+        """Whether the vocabulary view has been built (on first use, or by `prepare`)."""
+        return self._ll_tokenizer is not None
+
+    @property
     def cached_bytes(self) -> int:
         """The memory the cached grammars took to compile, as measured."""
         with self._cache_lock:
