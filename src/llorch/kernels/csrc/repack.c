@@ -157,7 +157,7 @@ static void unpack(int type, const uint8_t *group, int r, uint8_t *b) {
 
 /* In place: a group of eight rows holds the same bytes before and after (blocks x 8 x block bytes),
  * so each group is copied aside and packed back over itself. Copying the whole matrix instead cost
- * a transient as large as the vocabulary projection (137 MB on the default model). 0, or -1 when
+ * a transient as large as the vocabulary projection (170 MiB on the default model). 0, or -1 when
  * the per-thread copies cannot be allocated (nothing is changed then). */
 int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k) {
     const int64_t blocks = k / block_values(type), group = llorch_group_bytes(type), block_bytes = group / ROWS;
