@@ -120,20 +120,29 @@ def ended_jobs(samples: dict[str, float]) -> int:
                    if name.startswith("llorch_requests_total{") and 'outcome="rejected_' not in name))
 
 
+def address(url: str) -> tuple[str, int]:
+    """(host, port) of an http://host:port URL."""
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def raw_exchange(url: str, request: bytes, timeout: float = 30) -> bytes:
+    """Send `request` as it is and read until the server closes the connection."""
+    with socket.create_connection(address(url), timeout=timeout) as connection:
+        connection.sendall(request)
+        answer = bytearray()
+        while chunk := connection.recv(1 << 16):
+            answer += chunk
+    return bytes(answer)
+
+
 def slow_client_loop(url: str, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
     """Half a request, then silence, until the worker closes the connection (its read deadline)."""
-    host, port = url.removeprefix("http://").split(":")
     while time.monotonic() < deadline:
-        with socket.create_connection((host, int(port))) as connection:
+        with socket.create_connection(address(url)) as connection:
             connection.sendall(b"POST /execute HTTP/1.1\r\nHost: soak\r\nContent-Length: 64\r\n")
             opened = time.monotonic()
-            connection.settimeout(HEADER_TIMEOUT_S + 5)
-            try:
-                closed = connection.recv(1) == b""
-            except ConnectionResetError:
-                closed = True
-            except TimeoutError:
-                closed = False
+            closed = closed_within(connection, HEADER_TIMEOUT_S + 5)
             with lock:
                 report.slow_connections += 1
                 report.slow_closed_in_time += closed and time.monotonic() - opened < HEADER_TIMEOUT_S + 5
@@ -141,10 +150,10 @@ def slow_client_loop(url: str, deadline: float, report: SoakReport, lock: thread
 
 def stalled_request(url: str, path: str, body: dict[str, object]) -> socket.socket:
     """A connection that sends `body` to `path` and then never reads: its 4 KiB receive buffer is full at once."""
-    host, port = url.removeprefix("http://").split(":")
+    host, port = address(url)
     connection = socket.socket()
     connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: it sets the window
-    connection.connect((host, int(port)))
+    connection.connect((host, port))
     payload = json.dumps(body).encode()
     connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                        f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)

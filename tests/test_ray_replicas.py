@@ -37,7 +37,7 @@ from llorch.api.connections import HEADER_TIMEOUT_S
 from llorch.device import resolve_backend
 from llorch.errors import BackendUnavailable
 from llorch.replicas.front import Relay
-from soak import closed_within
+from soak import address, closed_within, raw_exchange
 from tiny_model import write_tiny_gemma3
 
 pytestmark = pytest.mark.cpu
@@ -215,21 +215,6 @@ def test_a_client_that_goes_away_cancels_its_job_on_the_replica(cluster: Server)
         time.sleep(0.1)
     else:
         pytest.fail(f"cancelled {cancelled - before} of 2 abandoned jobs; {in_flight} jobs still in flight")
-
-
-def address(base_url: str) -> tuple[str, int]:
-    host, port = base_url.removeprefix("http://").split(":")
-    return host, int(port)
-
-
-def raw_exchange(base_url: str, request: bytes) -> bytes:
-    """Send `request` as it is and read until the server closes the connection."""
-    with socket.create_connection(address(base_url), timeout=30) as connection:
-        connection.sendall(request)
-        answer = bytearray()
-        while chunk := connection.recv(1 << 16):
-            answer += chunk
-    return bytes(answer)
 
 
 def test_a_client_that_stalls_sending_its_request_is_closed_by_the_header_deadline(cluster: Server) -> None:

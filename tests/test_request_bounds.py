@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 
 from conftest import Worker, assert_one_line_failure, run_worker_to_exit, start_worker, stop_worker
 from llorch.api.fields import MAX_PROMPT_CHARS
+from soak import raw_exchange
 from tiny_model import write_tiny_gemma3
 
 pytestmark = pytest.mark.cpu
@@ -45,30 +45,20 @@ def tiny_worker(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     stop_worker(live)
 
 
-def raw_exchange(worker: Worker, request: bytes) -> bytes:
-    """Send `request` as it is and read until the worker closes the connection."""
-    host, port = worker.base_url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as connection:
-        connection.sendall(request)
-        answer = bytearray()
-        while chunk := connection.recv(1 << 16):
-            answer += chunk
-    return bytes(answer)
-
-
 def test_a_body_framed_twice_is_refused_before_it_is_read(tiny_worker: Worker) -> None:
     body = json.dumps({"prompt": "the"}).encode()
     chunked = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
     head = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n")
-    answer = raw_exchange(tiny_worker, head + chunked)  # the worker closes the connection: nothing else is read
+    url = tiny_worker.base_url
+    answer = raw_exchange(url, head + chunked)  # the worker closes the connection: nothing else is read
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
     assert b"Content-Length and Transfer-Encoding" in answer
     # Either framing alone is fine.
-    plain = raw_exchange(tiny_worker, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    plain = raw_exchange(url, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
     assert plain.startswith(b"HTTP/1.1 200 ")
-    alone = raw_exchange(tiny_worker, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    alone = raw_exchange(url, b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunked)
     assert alone.startswith(b"HTTP/1.1 200 ")
 
