@@ -12,16 +12,19 @@ import os
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from conftest import LLAMA_CPP_KL, Worker, all_logits, english_text, start_worker, stop_worker
+from llorch.errors import ModelFileError
 from llorch.kernels import blocks
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
 from llorch.weights import converted
 from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
+from llorch.weights.tensor_read import TensorRead
 
 pytestmark = pytest.mark.cpu
 
@@ -103,6 +106,36 @@ def test_a_damaged_cache_entry_is_rebuilt_not_trusted(
     ids = served.tokenizer.encode(PROMPTS[1])
     assert torch.equal(all_logits(rebuilt, ids), all_logits(served, ids))
     assert json.loads((entry / "meta.json").read_text())["config"]["architecture"] == "gemma3"
+
+
+def test_a_damaged_cached_tokenizer_is_rebuilt_not_trusted(
+    model_path: Path, served: LoadedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A warm start parses the cached tokenizer.json only after its weights started reading: a damaged
+    one is rebuilt from the file then, and written again."""
+    monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path))
+    load_model(model_path, torch.device("cpu"), torch.float32, keep_quantized=True)
+    entry = next((tmp_path / "converted").iterdir())
+    (entry / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {"a": ')
+    rebuilt = load_model(model_path, torch.device("cpu"), torch.float32, keep_quantized=True)
+    for prompt in PROMPTS:
+        assert rebuilt.tokenizer.encode(prompt) == served.tokenizer.encode(prompt)
+    assert rebuilt.tokenizer.eos_token_ids == served.tokenizer.eos_token_ids
+    assert json.loads((entry / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    ids = served.tokenizer.encode(PROMPTS[3])
+    assert torch.equal(all_logits(rebuilt, ids), all_logits(served, ids))
+
+
+def test_a_tensor_read_names_the_tensor_it_could_not_read(tmp_path: Path) -> None:
+    file = tmp_path / "weights.bin"
+    file.write_bytes(bytes(range(100)))
+    whole, cut = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    TensorRead(file, ["whole"], [10], [whole]).wait()
+    assert whole.tolist() == list(range(10, 74))
+    with pytest.raises(ModelFileError, match="tensor cut ends before its 64 bytes"):
+        TensorRead(file, ["whole", "cut"], [0, 80], [whole, cut]).wait()
+    with pytest.raises(ModelFileError, match="reading tensor whole failed: Is a directory"):
+        TensorRead(tmp_path, ["whole"], [0], [whole]).wait()
 
 
 def test_a_file_rewritten_with_its_old_times_is_hashed_again(monkeypatch: pytest.MonkeyPatch,

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE
 
 from conftest import Reference
 from llorch.cache import cache_dir
+from llorch.weights.converted import ConversionCache, file_sha256
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel
 from llorch.weights.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from llorch.weights.tokenizer_file import save_tokenizer
 
 pytestmark = pytest.mark.cpu
 
@@ -55,6 +60,37 @@ def test_converted_tokenizer_is_cached_on_disk(model_path: Path, ours: LoadedMod
     again = tokenizer_from_gguf(GGUFFile(model_path).metadata, model_path)
     text = MULTILINGUAL[2]
     assert again.encode(text) == ours.tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def warm_tokenizer(model_path: Path, ours: LoadedModel) -> Tokenizer:
+    """The tokenizer a warm start parses from the conversion cache, its merges saved as strings."""
+    meta = ConversionCache(file_sha256(model_path)).read_meta()
+    assert meta is not None, "loading the model should have filled the conversion cache"
+    return meta.tokenizer()
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_the_cached_tokenizer_matches_reference(warm_tokenizer: Tokenizer, reference: Reference, text: str) -> None:
+    ids = warm_tokenizer.encode(text)
+    assert ids == reference.tokenizer(text).input_ids
+    assert warm_tokenizer.decode(ids, skip_special=False) == reference.tokenizer.decode(ids)
+
+
+def test_saved_merges_are_strings_unless_a_token_holds_a_space(tmp_path: Path) -> None:
+    for vocab, merges, form in (
+        ({"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4}, [("a", "b"), ("ab", "c")], str),
+        ({"a": 0, " ": 1, "b": 2, "a ": 3, "a b": 4}, [("a", " "), ("a ", "b")], list),
+    ):
+        built = HFTokenizer(BPE(vocab=vocab, merges=merges))
+        save_tokenizer(built, tmp_path / "tokenizer.json")
+        saved = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"]
+        assert all(isinstance(merge, form) for merge in saved), saved
+        again = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        assert again.get_vocab() == built.get_vocab()
+        for text in ("abc", "ab", "a b", "ba", "cab"):
+            assert again.encode(text).ids == built.encode(text).ids, text
 
 
 @pytest.fixture(scope="module")

@@ -152,6 +152,7 @@ _SIGNATURES = {
     "llorch_matrix_row": ([_INT, _P, _I64, _I64, _P], None),
     "llorch_repacked_type": ([_INT, _I64], _INT),
     "llorch_repack": ([_INT, _P, _I64, _I64], _INT),
+    "llorch_read_ranges": ([_INT, _I64, _P, _P, _P, _P], _I64),
     "llorch_attend_chunk": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _I64, _P, _P], None),
 }
 

@@ -5,7 +5,7 @@ miss every 4 KB and stops the hardware prefetchers at each page edge. Measured o
 default model's 178 MB vocabulary projection (2 threads): 8.2 ms per token on 4 KB
 pages against 5.5 ms on 2 MB pages. Linux gives huge pages to anonymous memory that
 asks for them (MADV_HUGEPAGE) but not to a file's page cache, so the matrices are read
-from the file once at load (about 0.1 s for 250 MB, warm) into one region that asks.
+from the file once at load into one region that asks (weights.tensor_read).
 They are read, not copied from a mapping, so the file's pages never count as the
 worker's memory: resident memory holds each weight once.
 """
@@ -31,15 +31,15 @@ class WeightArena:
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._used = 0
 
-    def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, memoryview]:
-        """A fresh uint8 array of `shape` in the arena, as a tensor and as writable bytes."""
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A fresh uint8 tensor of `shape` in the arena."""
         start = -(-self._used // 64) * 64  # rows start 64-byte aligned: whole cache lines
         size = int(np.prod(shape))
         if start + size > len(self._bytes):
             raise ValueError("the weight arena is full")
         view = self._bytes[start : start + size]
         self._used = start + size
-        return torch.from_numpy(view.reshape(shape)), memoryview(view)
+        return torch.from_numpy(view.reshape(shape))
 
 
 def arena_bytes(sizes: list[int]) -> int:

@@ -7,7 +7,8 @@ A cold start parses the GGUF header (a 262k-token vocabulary is ~0.3 s), builds 
 tokenizer and repacks every quantized tensor. A warm start reads instead, from
 `<cache>/converted/<sha256>-v<version>/`:
 - meta.json: the model's name, config, chat template and tokenizer ids;
-- tokenizer.json: the tokenizer, loaded by `tokenizers` directly.
+- tokenizer.json: the tokenizer, loaded by `tokenizers` directly (tokenizer_file), when the
+  loader asks: after the weights have started reading, since the parse holds Python's lock.
 The weights need no cache: the CPU worker views them in place in the mapped file.
 Every file is written to a temporary name and renamed, so a crash or a concurrent
 worker never leaves a half-written entry; a damaged entry is rebuilt, never trusted.
@@ -20,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from llorch.cache import cache_dir
 from llorch.models.config import ModelConfig
 from llorch.weights.tokenizer import Tokenizer
+from llorch.weights.tokenizer_file import save_tokenizer
 
 log = logging.getLogger("llorch.weights")
 
 # Bump whenever a conversion changes what it produces (config fields, repacking, names).
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3  # 3: tokenizer.json's merges as strings
 
 _known_digests: dict[tuple[object, ...], str] = {}
 
@@ -93,7 +96,9 @@ class ConvertedMeta:
     name: str
     config: ModelConfig
     chat_template: str | None
-    tokenizer: Tokenizer
+    # The tokenizer built by a conversion, or parsed from the cache when called (most of a
+    # second, holding Python's lock: the loader starts the weights reading first).
+    tokenizer: Callable[[], Tokenizer]
     tensors: list[list[Any]]  # the GGUF file's tensor table (GGUFFile.tensor_table)
 
 
@@ -115,13 +120,11 @@ class ConversionCache:
     def read_meta(self) -> ConvertedMeta | None:
         try:
             meta = json.loads((self.directory / "meta.json").read_text(encoding="utf-8"))
-            backend = HFTokenizer.from_file(str(self.directory / "tokenizer.json"))
             fields = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()}
             ids = meta["tokenizer"]
-            tokenizer = Tokenizer(backend=backend, bos_token_id=ids["bos"], eos_token_ids=frozenset(ids["eos"]),
-                                  special_ids=frozenset(ids["special"]), byte_token_ids=frozenset(ids["bytes"]))
-            return ConvertedMeta(meta["name"], ModelConfig(**fields), meta["chat_template"], tokenizer,
-                                 meta["tensors"])
+            ids = (ids["bos"], frozenset(ids["eos"]), frozenset(ids["special"]), frozenset(ids["bytes"]))
+            return ConvertedMeta(meta["name"], ModelConfig(**fields), meta["chat_template"],
+                                 lambda: self._read_tokenizer(*ids), meta["tensors"])
         except FileNotFoundError:
             return None
         except Exception as exc:  # damaged or from another version of the code: convert again
@@ -129,8 +132,15 @@ class ConversionCache:
                                                                              "reason": repr(exc)})
             return None
 
+    def _read_tokenizer(self, bos: int | None, eos: frozenset[int], special: frozenset[int],
+                        byte_tokens: frozenset[int]) -> Tokenizer:
+        """The cached tokenizer; any exception means a damaged entry (the caller rebuilds it)."""
+        backend = HFTokenizer.from_file(str(self.directory / "tokenizer.json"))
+        return Tokenizer(backend=backend, bos_token_id=bos, eos_token_ids=eos, special_ids=special,
+                         byte_token_ids=byte_tokens)
+
     def write_meta(self, meta: ConvertedMeta) -> None:
-        tok = meta.tokenizer
+        tok = meta.tokenizer()
         document = {
             "name": meta.name,
             "config": dataclasses.asdict(meta.config),
@@ -140,5 +150,5 @@ class ConversionCache:
                           "special": sorted(tok.special_ids), "bytes": sorted(tok.byte_token_ids)},
         }
         # The tokenizer first: meta.json is what marks the entry as present.
-        self._write("tokenizer.json", lambda path: tok.backend.save(str(path)))
+        self._write("tokenizer.json", lambda path: save_tokenizer(tok.backend, path))
         self._write("meta.json", lambda path: path.write_text(json.dumps(document), encoding="utf-8"))

@@ -26,6 +26,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from llorch.errors import ModelFileError
 from llorch.weights import limits
+from llorch.weights.tensor_read import TensorRead
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -286,18 +287,11 @@ class GGUFFile:
         rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
         return flat.reshape(rows, info.nbytes // rows)
 
-    def read_into(self, name: str, out: memoryview) -> None:
-        """The tensor's bytes read from the file straight into `out` (no mapped page is touched,
-        so the file's pages never count as this process's memory)."""
-        info = self.tensors[name]
-        with self.path.open("rb", buffering=0) as handle:
-            handle.seek(info.offset)
-            done = 0
-            while done < info.nbytes:
-                count = handle.readinto(out[done : info.nbytes])
-                if not count:
-                    raise self._fail(f"tensor {name} ends before its {info.nbytes} bytes")
-                done += count
+    def start_reading(self, targets: dict[str, np.ndarray]) -> TensorRead:
+        """Starts reading each named tensor's bytes from the file straight into its target (no mapped
+        page is touched, so the file's pages never count as this process's memory); see TensorRead."""
+        infos = [self.tensors[name] for name in targets]
+        return TensorRead(self.path, list(targets), [info.offset for info in infos], list(targets.values()))
 
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as float32 in its torch shape."""

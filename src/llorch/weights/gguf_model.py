@@ -256,47 +256,57 @@ def state_dict_from_gguf(
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
     keep_quantized: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Our state dict, in `dtype` (norms stay float32).
+) -> Callable[[], dict[str, torch.Tensor]]:
+    """Starts reading the weights; returns what waits for them and gives our state dict, in
+    `dtype` (norms stay float32). The caller parses the tokenizer in between.
 
     With `keep_quantized`, every matrix stays in the file's own type and layout: "<name>.weight"
-    holds its rows' bytes [rows, row_bytes], copied into one huge-page arena (weights.arena),
-    and "<name>.weight_type" its GGUF type (see models.quantized), or the interleaved layout
-    of that type the kernels read fastest on this CPU (kernels.blocks.repacked); otherwise
-    every tensor is dequantized.
+    holds its rows' bytes [rows, row_bytes], read on a thread of their own (weights.tensor_read)
+    into one huge-page arena (weights.arena), and "<name>.weight_type" its GGUF type (see
+    models.quantized), or the interleaved layout of that type the kernels read fastest on this
+    CPU (kernels.blocks.repacked); otherwise every tensor is dequantized.
     """
-    state: dict[str, torch.Tensor] = {}
     plan = list(gguf_tensor_plan(config, gguf.tensors))
     missing = [name for name, _ in plan if name not in gguf.tensors]
     if missing:
         raise ModelFileError(gguf.path, f"tensor {missing[0]} is missing")
-    arena = None
+    matrices: dict[str, torch.Tensor] = {}
     if keep_quantized:
-        arena = WeightArena(arena_bytes([gguf.tensors[n].nbytes for n, _ in plan if _matrix(gguf, n)]))
-    for done, (gguf_name, split) in enumerate(plan, start=1):
-        try:
-            if arena is not None and _matrix(gguf, gguf_name):
-                info = gguf.tensors[gguf_name]
-                rows, raw = arena.take((info.shape[0], info.nbytes // info.shape[0]))
-                gguf.read_into(gguf_name, raw)
-                # The splits only select and reorder rows, so they apply to the raw rows as to values:
-                # a selection is a view of the arena's rows; a reordering (a copy of the same shape)
-                # is written back over them.
-                for ours, part in split(rows).items():
-                    if part.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
-                        rows.copy_(part)
-                        part = rows
-                    state[ours] = part
-                    layout = repacked(part, int(info.qtype), info.shape[1])
-                    state[f"{ours}{TYPE_SUFFIX}"] = torch.tensor(layout, dtype=torch.int32)
-            else:
-                for ours, tensor in split(gguf.dequantize(gguf_name)).items():
-                    state[ours] = compute_tensor(ours, tensor, dtype)
-        except (ValueError, RuntimeError) as exc:  # a fused tensor of the wrong size
-            raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
-        if progress is not None:
-            progress(done, len(plan))
-    return state
+        names = [name for name, _ in plan if _matrix(gguf, name)]
+        arena = WeightArena(arena_bytes([gguf.tensors[name].nbytes for name in names]))
+        for name in names:
+            info = gguf.tensors[name]
+            matrices[name] = arena.take((info.shape[0], info.nbytes // info.shape[0]))
+    reading = gguf.start_reading({name: rows.numpy() for name, rows in matrices.items()}) if matrices else None
+
+    def finish() -> dict[str, torch.Tensor]:
+        if reading is not None:
+            reading.wait()
+        state: dict[str, torch.Tensor] = {}
+        for done, (gguf_name, split) in enumerate(plan, start=1):
+            try:
+                if gguf_name in matrices:
+                    rows, info = matrices[gguf_name], gguf.tensors[gguf_name]
+                    # The splits only select and reorder rows, so they apply to the raw rows as to values:
+                    # a selection is a view of the arena's rows; a reordering (a copy of the same shape)
+                    # is written back over them.
+                    for ours, part in split(rows).items():
+                        if part.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
+                            rows.copy_(part)
+                            part = rows
+                        state[ours] = part
+                        layout = repacked(part, int(info.qtype), info.shape[1])
+                        state[f"{ours}{TYPE_SUFFIX}"] = torch.tensor(layout, dtype=torch.int32)
+                else:
+                    for ours, tensor in split(gguf.dequantize(gguf_name)).items():
+                        state[ours] = compute_tensor(ours, tensor, dtype)
+            except (ValueError, RuntimeError) as exc:  # a fused tensor of the wrong size
+                raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
+            if progress is not None:
+                progress(done, len(plan))
+        return state
+
+    return finish
 
 
 def _matrix(gguf: GGUFFile, name: str) -> bool:

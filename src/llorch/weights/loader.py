@@ -60,11 +60,12 @@ class ModelSource:
 
     name: str
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Callable[[], Tokenizer]  # built, or parsed when called (see ConvertedMeta.tokenizer)
     chat_template: str | None
     shapes: dict[str, tuple[int, ...]]  # our state dict's names and element shapes, as the file's header says
-    # (dtype, progress, keep_quantized) -> our state dict; reads and converts the weights.
-    read_weights: Callable[[torch.dtype, Callable[[int, int], None], bool], dict[str, torch.Tensor]]
+    # (dtype, progress, keep_quantized) -> a call that gives our state dict: the weights start
+    # reading at the first call and are converted, once read, at the second.
+    read_weights: Callable[[torch.dtype, Callable[[int, int], None], bool], Callable[[], dict[str, torch.Tensor]]]
     cache: ConversionCache | None = None  # where converted GGUF artifacts are kept
     fresh_meta: ConvertedMeta | None = None  # converted now: cached once the weights load too
 
@@ -101,10 +102,7 @@ def load_model(
         source.shapes.pop("lm_head.weight", None)
     # Every tensor is what the config needs before one is read: a header may claim anything.
     _check_shapes(path, source.shapes, _expected_shapes(source.config))
-    release_freed_memory()  # the tokenizer's parse leftovers go before the weights come in
-    log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
 
-    started = time.perf_counter()
     with tqdm(desc="loading weights", unit="tensor", disable=not sys.stderr.isatty(), leave=False) as bar:
 
         def advance(done: int, total: int) -> None:
@@ -113,7 +111,12 @@ def load_model(
             if progress is not None:
                 progress(done, total)
 
-        weights = source.read_weights(dtype, advance, keep_quantized)
+        converted = source.read_weights(dtype, advance, keep_quantized)
+        tokenizer = source.tokenizer()  # parses while the weights read
+        release_freed_memory()  # the tokenizer's parse leftovers go before the weights are converted
+        log.info("tokenizer ready", extra={"phase": "tokenizer", "seconds": round(time.perf_counter() - started, 3)})
+        started = time.perf_counter()
+        weights = converted()
         if hidden_states:
             weights.pop("lm_head.weight", None)
         model = _build_decoder(path, source.config, weights, dtype)
@@ -125,7 +128,7 @@ def load_model(
     if source.cache is not None and source.fresh_meta is not None:  # only a file that loaded completely
         source.cache.write_meta(source.fresh_meta)
     log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3)})
-    return LoadedModel(name=source.name, path=path, config=source.config, model=model, tokenizer=source.tokenizer,
+    return LoadedModel(name=source.name, path=path, config=source.config, model=model, tokenizer=tokenizer,
                        dtype=dtype, chat_template=source.chat_template, quantized=quantized)
 
 
@@ -208,10 +211,21 @@ def _gguf_source(path: Path) -> ModelSource:
     fresh = _convert_gguf_meta(path, gguf) if cached is None else None
     meta = cached or fresh
     assert meta is not None
+
+    def tokenizer() -> Tokenizer:
+        try:
+            return meta.tokenizer()
+        except Exception as exc:  # a damaged cached tokenizer.json is rebuilt from the file, never trusted
+            log.warning("rebuilding a damaged cached tokenizer", extra={"path": str(cache.directory),
+                                                                        "reason": repr(exc)})
+            rebuilt = _convert_gguf_meta(path, GGUFFile(path))
+            cache.write_meta(rebuilt)
+            return rebuilt.tokenizer()
+
     return ModelSource(
         name=meta.name,
         config=meta.config,
-        tokenizer=meta.tokenizer,
+        tokenizer=tokenizer,
         chat_template=meta.chat_template,
         shapes=gguf_model.planned_shapes(gguf, meta.config),
         read_weights=lambda dtype, progress, quantized: state_dict_from_gguf(
@@ -236,7 +250,7 @@ def _convert_gguf_meta(path: Path, gguf: GGUFFile) -> ConvertedMeta:
         bounded_text(template, "metadata tokenizer.chat_template", MAX_TEMPLATE_CHARS, path)
     name = gguf.metadata.get("general.name") or path.stem
     return ConvertedMeta(name=bounded_text(name, "metadata general.name", MAX_NAME_CHARS, path), config=config,
-                         chat_template=template or None, tokenizer=tokenizer, tensors=gguf.tensor_table())
+                         chat_template=template or None, tokenizer=lambda: tokenizer, tensors=gguf.tensor_table())
 
 
 def _hf_source(path: Path, headless: bool = False) -> ModelSource:
@@ -257,11 +271,11 @@ def _hf_source(path: Path, headless: bool = False) -> ModelSource:
     return ModelSource(
         name=path.name,
         config=config,
-        tokenizer=tokenizer,
+        tokenizer=lambda: tokenizer,
         chat_template=hf_chat_template(path),
         shapes=hf_model.planned_shapes(checkpoint, config),
         # Safetensors checkpoints hold dense weights; they are used as they are.
-        read_weights=lambda dtype, progress, _quantized: hf_state_dict(checkpoint, config, dtype, progress),
+        read_weights=lambda dtype, progress, _quantized: lambda: hf_state_dict(checkpoint, config, dtype, progress),
     )
 
 

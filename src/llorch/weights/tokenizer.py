@@ -32,9 +32,10 @@ from llorch.weights.limits import (
     MAX_VOCAB,
     require_regular_file,
 )
+from llorch.weights.tokenizer_file import save_tokenizer
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4  # 4: merges saved as strings (tokenizer_file)
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
@@ -200,7 +201,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
             backend = _build_spm_bpe(tokens, token_types, metadata, architecture)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        backend.save(str(tmp))
+        save_tokenizer(backend, tmp)
         tmp.replace(cached)
 
     bos = metadata.get("tokenizer.ggml.bos_token_id")
