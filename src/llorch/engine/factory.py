@@ -41,6 +41,7 @@ from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model, read_template_file
+from llorch.weights.template_sandbox import shared_sandbox
 from llorch.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("llorch.engine")
@@ -178,6 +179,7 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
                            "speculative decoding does not apply")
     config = replace(config, speculative="off") if kind != "generate" else config
     config = config.with_limits(kind)
+    shared_sandbox().start()  # the chat template's render process starts while the model loads
     if loaded is None:
         dtype = resolve_dtype(config.dtype, device)
         loaded = load_model(path or default_model_path(), device, dtype, progress=progress,

@@ -46,7 +46,13 @@ class TemplateSandbox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
+        self._ready = False  # the current child has said it is ready
         self._known: set[str] = set()  # digests of the templates the current child has compiled
+
+    def start(self) -> None:
+        """Start the render process without waiting for it: it imports jinja2 while the model loads."""
+        with self._lock:
+            self._spawn()
 
     def compile(self, source: str) -> str:
         """Compile `source` in the child (raising its syntax errors); returns the template's digest."""
@@ -106,20 +112,27 @@ class TemplateSandbox:
             chunks += chunk
         return json.loads(chunks.decode("utf-8", "surrogatepass"))
 
-    def _ensure_started(self) -> subprocess.Popen[bytes]:
+    def _spawn(self) -> subprocess.Popen[bytes]:
         if self._process is None or self._process.poll() is not None:
             self._known.clear()
+            self._ready = False
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "llorch.weights.template_sandbox"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, close_fds=True)
-            assert self._process.stdout is not None
+        return self._process
+
+    def _ensure_started(self) -> subprocess.Popen[bytes]:
+        process = self._spawn()
+        if not self._ready:
+            assert process.stdout is not None
             # The child says it is ready once jinja2 is imported: start-up is not render time.
-            ready, _, _ = select.select([self._process.stdout], [], [], START_TIMEOUT_S)
-            if not ready or self._process.stdout.readline() != b"ready\n":
+            ready, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
+            if not ready or process.stdout.readline() != b"ready\n":
                 self._stop()
                 raise ChatTemplateError("the chat template process did not start")
-        return self._process
+            self._ready = True
+        return process
 
     def _stop(self) -> None:
         if self._process is not None:
