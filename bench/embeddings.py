@@ -40,7 +40,7 @@ import concurrency
 import llama_build
 import models
 from launch import Server, free_port, start_server, start_worker, stop
-from llorch.device import physical_cores
+from llorch.host import physical_cores
 
 TEXTS = 64
 WORDS = (10, 60)

@@ -30,7 +30,7 @@ import concurrency
 import llama_build
 import streams
 from launch import free_port, start_server, stop
-from llorch.device import physical_cores
+from llorch.host import physical_cores
 from llorch.weights.default_model import default_model_path
 
 MAX_TOKENS = 160

@@ -52,9 +52,9 @@ import models
 import speculative
 import streams
 from launch import free_port, start_server, stop
-from llorch.device import cpuinfo, physical_cores
 from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
 from llorch.engine.runner import ChunkInput, ModelRunner
+from llorch.host import cpuinfo, physical_cores
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
 from soak import rss_mb

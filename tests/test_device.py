@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from llorch import device
+from llorch import host
 from llorch.device import (
     ResidencyError,
     assert_module_resident,
@@ -114,18 +114,18 @@ HYPERTHREADED = "\n\n".join(
 
 @pytest.mark.cpu
 def test_threads_default_to_physical_cores_not_hyperthreads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED)
-    monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
-    assert device.physical_cores() == 4
-    monkeypatch.setattr(device.os, "sched_getaffinity", lambda _: {0, 4}, raising=False)  # one core's two threads
-    assert device.physical_cores() == 1
+    monkeypatch.setattr(host, "cpuinfo", lambda: HYPERTHREADED)
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    assert host.physical_cores() == 4
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda _: {0, 4}, raising=False)  # one core's two threads
+    assert host.physical_cores() == 1
 
 
 @pytest.mark.cpu
 def test_auto_dtype_is_float32_on_every_cpu_whatever_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED)  # avx512_bf16 present
+    monkeypatch.setattr(host, "cpuinfo", lambda: HYPERTHREADED)  # avx512_bf16 present
     assert resolve_dtype("auto", cpu) == torch.float32
-    monkeypatch.setattr(device, "cpuinfo", lambda: HYPERTHREADED.replace(" avx512f avx512_bf16", ""))
+    monkeypatch.setattr(host, "cpuinfo", lambda: HYPERTHREADED.replace(" avx512f avx512_bf16", ""))
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16  # an explicit choice is kept

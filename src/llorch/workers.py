@@ -26,7 +26,7 @@ from llorch.api.callback import send_ready
 from llorch.api.connections import RequestLimit, guarded_protocol
 from llorch.api.cors import parse_origins
 from llorch.api.state import WorkerState
-from llorch.device import Backend, physical_cores, resolve_backend, verify_device
+from llorch.device import Backend, resolve_backend, verify_device
 from llorch.engine.config import (
     DEFAULT_CPU_KV_MB,
     DEFAULT_CUDA_KV_FRACTION,
@@ -37,8 +37,9 @@ from llorch.engine.config import (
 )
 from llorch.engine.factory import build_engine
 from llorch.errors import StartupError
+from llorch.host import physical_cores
 from llorch.logs import setup_logging
-from llorch.models.encoder import POOLINGS
+from llorch.models.encoder_config import POOLINGS
 from llorch.settings import ServingSettings
 
 log = logging.getLogger("llorch.worker")

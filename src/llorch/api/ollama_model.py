@@ -12,7 +12,7 @@ from typing import Any
 from llorch.api.ollama_errors import OllamaError
 from llorch.api.reasoning import reasoning_markers
 from llorch.engine.engine import Engine
-from llorch.models.encoder import EncoderConfig
+from llorch.models.encoder_config import EncoderConfig
 from llorch.weights.model_facts import ModelFacts
 
 LATEST = ":latest"

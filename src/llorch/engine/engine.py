@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llorch.engine.core import EngineCore
-from llorch.engine.encoder_core import EncoderCore
 from llorch.engine.errors import DuplicateJob, QueueFull
 from llorch.engine.output import OutputProcessor
 from llorch.engine.plan import StepOutput
@@ -36,13 +35,14 @@ from llorch.engine.telemetry import Telemetry
 from llorch.engine.tokens import TokenFacts
 from llorch.engine.views import EmbeddingShape, EngineStats, JobView
 from llorch.models.config import ModelConfig
-from llorch.models.encoder import EncoderConfig
+from llorch.models.encoder_config import EncoderConfig
 from llorch.weights.chat_template import ChatTemplate
 from llorch.weights.model_facts import ModelFacts, facts_or_unknown
 from llorch.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llorch.engine.config import EngineConfig
+    from llorch.engine.encoder_core import EncoderCore
 
 log = logging.getLogger("llorch.engine")
 

@@ -24,7 +24,7 @@ from llorch.engine.engine import Engine
 from llorch.engine.grammar import Grammars
 from llorch.engine.kv.blocks import BlockAllocator
 from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
-from llorch.engine.model_kinds import decoder_kind, encoder_engine, holds_encoder, rank_tokens
+from llorch.engine.model_kinds import decoder_kind, holds_encoder, rank_tokens
 from llorch.engine.prepare import FrontDoor
 from llorch.engine.runner import ModelRunner
 from llorch.engine.scheduler import Scheduler
@@ -172,6 +172,8 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     telemetry = telemetry or Telemetry()
     path = Path(config.model) if config.model else None
     if loaded is None and path is not None and holds_encoder(path):
+        from llorch.engine.encoder_engine import encoder_engine  # encoders compute with torch; decoders may not
+
         return encoder_engine(config, path, device, telemetry)
     kind, normalize = decoder_kind(config, path)
     if kind != "generate" and (config.draft_model or config.speculative not in (None, "off")):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llorch.cache import cache_dir
-from llorch.device import cpuinfo
+from llorch.host import cpuinfo
 
 SOURCES = Path(__file__).with_name("csrc")
 

@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llorch.device import physical_cores
 from llorch.engine.config import EngineConfig
+from llorch.host import physical_cores
 from llorch.logs import setup_logging
 from llorch.replicas.front import Front
 from llorch.settings import ServingSettings

@@ -20,14 +20,14 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from llorch.errors import ModelFileError
-from llorch.models.encoder import POOLINGS, Encoder, EncoderConfig
+from llorch.models.encoder import Encoder
+from llorch.models.encoder_config import POOLINGS, EncoderConfig
 from llorch.weights import limits
 from llorch.weights.encoder_model import LoadedEncoder
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.limits import bounded_int, finite_float
 from llorch.weights.tokenizer import Tokenizer, check_vocabulary
 
-ENCODER_ARCHITECTURES = ("bert",)
 POOLING_TYPES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's LLAMA_POOLING_TYPE_* (0: none)
 PHANTOM_SPACE = "\u2581"
 CONTROL = 3  # GGUF token type of special tokens

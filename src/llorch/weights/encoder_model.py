@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from llorch.errors import ModelFileError
-from llorch.models.encoder import POOLINGS, Encoder, EncoderConfig
+from llorch.models.encoder import Encoder
+from llorch.models.encoder_config import POOLINGS, EncoderConfig
 from llorch.weights import limits
 from llorch.weights.hf_model import SafetensorsCheckpoint
 from llorch.weights.limits import bounded_int, finite_float
