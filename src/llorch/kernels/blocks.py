@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from torch import Tensor
@@ -31,8 +32,9 @@ def file_type(qtype: int) -> GGMLQuantizationType:
     return GGMLQuantizationType(qtype - REPACKED if qtype > REPACKED else qtype)
 
 
-def repacked(weight: Tensor, qtype: int, k: int, lib: ctypes.CDLL | None = None) -> int:
-    """Rearrange `weight` in place into the layout this CPU's kernels read fastest; its new type.
+def repacked(weight: Tensor | np.ndarray, qtype: int, k: int, lib: ctypes.CDLL | None = None) -> int:
+    """Rearrange `weight` (contiguous uint8 rows, torch or numpy) in place into the layout this CPU's
+    kernels read fastest; its new type.
 
     Where the kernels have VNNI, Q8_0, Q5_0, Q4_K and Q6_K matrices of whole 8-row groups are
     interleaved (one 8-bit dot instruction then serves eight rows); every other matrix stays
@@ -40,7 +42,8 @@ def repacked(weight: Tensor, qtype: int, k: int, lib: ctypes.CDLL | None = None)
     """
     lib = lib or library()
     layout = int(lib.llorch_repacked_type(int(qtype), weight.shape[0]))
-    if layout != int(qtype) and lib.llorch_repack(layout, weight.data_ptr(), weight.shape[0], k) != 0:
+    address = weight.ctypes.data if isinstance(weight, np.ndarray) else weight.data_ptr()
+    if layout != int(qtype) and lib.llorch_repack(layout, address, weight.shape[0], k) != 0:
         raise MemoryError(f"repacking a matrix of {weight.shape[0]} rows: no memory for its row groups' copies")
     return layout
 

@@ -16,7 +16,6 @@ import contextlib
 import mmap
 
 import numpy as np
-import torch
 
 HUGE_PAGE = 2 << 20
 
@@ -31,15 +30,15 @@ class WeightArena:
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._used = 0
 
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A fresh uint8 tensor of `shape` in the arena."""
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A fresh uint8 array of `shape` in the arena."""
         start = -(-self._used // 64) * 64  # rows start 64-byte aligned: whole cache lines
         size = int(np.prod(shape))
         if start + size > len(self._bytes):
             raise ValueError("the weight arena is full")
         view = self._bytes[start : start + size]
         self._used = start + size
-        return torch.from_numpy(view.reshape(shape))
+        return view.reshape(shape)
 
 
 def arena_bytes(sizes: list[int]) -> int:

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from llorch.errors import ModelFileError
@@ -50,7 +51,8 @@ _LAYER_TENSORS = {
 }
 
 # A tensor transform: the dequantized GGUF tensor -> {our name: tensor}.
-Split = Callable[[torch.Tensor], dict[str, torch.Tensor]]
+# An array (a torch tensor, or the numpy rows of a matrix kept in its file's blocks) -> our entries.
+Split = Callable[[Any], dict[str, Any]]
 
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
@@ -161,18 +163,19 @@ def _optional_int(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
-def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def unpermute_rows(weight: Any, heads: int) -> Any:
     """Undo llama.cpp's q/k row permutation: per head, interleaved (x0, y0, x1, y1, ...)
-    rows back to the halves (x0, x1, ..., y0, y1, ...) that rotate_half expects."""
+    rows back to the halves (x0, x1, ..., y0, y1, ...) that rotate_half expects (torch or numpy)."""
     rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _split_rows(names: list[str], sizes: list[int]) -> Split:
-    def split(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    def split(tensor: Any) -> dict[str, Any]:
         if tensor.shape[0] != sum(sizes):
             raise ValueError(f"fused tensor has {tensor.shape[0]} rows, the config implies {sum(sizes)}")
-        return dict(zip(names, torch.split(tensor, sizes), strict=True))
+        starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        return {name: tensor[starts[i] : starts[i + 1]] for i, name in enumerate(names)}
 
     return split
 
@@ -270,14 +273,14 @@ def state_dict_from_gguf(
     missing = [name for name, _ in plan if name not in gguf.tensors]
     if missing:
         raise ModelFileError(gguf.path, f"tensor {missing[0]} is missing")
-    matrices: dict[str, torch.Tensor] = {}
+    matrices: dict[str, np.ndarray] = {}
     if keep_quantized:
         names = [name for name, _ in plan if _matrix(gguf, name)]
         arena = WeightArena(arena_bytes([gguf.tensors[name].nbytes for name in names]))
         for name in names:
             info = gguf.tensors[name]
             matrices[name] = arena.take((info.shape[0], info.nbytes // info.shape[0]))
-    reading = gguf.start_reading({name: rows.numpy() for name, rows in matrices.items()}) if matrices else None
+    reading = gguf.start_reading(matrices) if matrices else None
 
     def finish() -> dict[str, torch.Tensor]:
         if reading is not None:
@@ -291,11 +294,11 @@ def state_dict_from_gguf(
                     # a selection is a view of the arena's rows; a reordering (a copy of the same shape)
                     # is written back over them.
                     for ours, part in split(rows).items():
-                        if part.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():
-                            rows.copy_(part)
+                        if not np.may_share_memory(part, rows):  # a reordering made a copy
+                            rows[...] = part
                             part = rows
-                        state[ours] = part
                         layout = repacked(part, int(info.qtype), info.shape[1])
+                        state[ours] = torch.from_numpy(part)
                         state[f"{ours}{TYPE_SUFFIX}"] = torch.tensor(layout, dtype=torch.int32)
                 else:
                     for ours, tensor in split(gguf.dequantize(gguf_name)).items():
