@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from llorch.models.config import ModelConfig
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
-from llorch.models.step_batch import LayerKV, StepBatch
+from llorch.models.step_batch import LayerKV, RowLayout, StepBatch
 
 FEW_ROWS = 32  # up to this many rows, the vocabulary projection uses the weight-major matmul
 
@@ -33,7 +34,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float, factors: Tensor | None
 class CompiledStep(Protocol):
     """A whole forward step in one call (the C step, models/native.py): it replaces the module's own."""
 
-    def forward(self, input_ids: Tensor, batch: StepBatch, cache: list[LayerKV]) -> Tensor: ...
+    def forward(self, token_ids: np.ndarray, layout: RowLayout, cache: list[tuple[np.ndarray, np.ndarray]],
+                threads: int) -> np.ndarray: ...
 
 
 class RMSNorm(nn.Module):
@@ -263,8 +265,10 @@ class Decoder(nn.Module):
         Only the wanted rows are projected: the vocabulary projection is the most
         expensive matmul, and generation needs one row per sampling sequence.
         """
-        if self.native is not None:
-            return self.native.forward(input_ids, batch, cache)
+        if self.native is not None:  # the C step reads the same memory through numpy views
+            arrays = [(layer.keys.numpy(), layer.values.numpy()) for layer in cache]
+            return torch.from_numpy(self.native.forward(input_ids.cpu().numpy(), batch.layout, arrays,
+                                                        torch.get_num_threads()))
         x = self.embed_tokens(input_ids)
         if self.config.scale_embeddings:
             # The scale is rounded to the compute dtype first, as the reference does.

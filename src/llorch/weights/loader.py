@@ -124,7 +124,11 @@ def load_model(
     model = model.to(device).eval().requires_grad_(False)
     quantized = any(isinstance(m, GGUFLinear | GGUFEmbedding) for m in model.modules())
     if quantized and device.type == "cpu" and dtype == torch.float32:
-        model.native = NativeDecoder(model)
+        # The C step reads the module's own tensors, as numpy views.
+        arrays = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+        types = {name.removesuffix(TYPE_SUFFIX): int(arrays.pop(name)) for name in list(arrays)
+                 if name.endswith(TYPE_SUFFIX)}
+        model.native = NativeDecoder(source.config, arrays, types)
     if source.cache is not None and source.fresh_meta is not None:  # only a file that loaded completely
         source.cache.write_meta(source.fresh_meta)
     log.info("weights ready", extra={"phase": "weights", "seconds": round(time.perf_counter() - started, 3)})
