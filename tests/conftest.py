@@ -33,7 +33,8 @@ from launch import stop as stop_worker
 from llorch.device import resolve_backend
 from llorch.engine.kv.pool import allocate_kv
 from llorch.errors import BackendUnavailable
-from llorch.models.step_batch import LayerKV, contiguous_step
+from llorch.models.step_batch import contiguous_step
+from llorch.models.step_layout import LayerKV
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
 

@@ -17,7 +17,8 @@ from llorch.device import resident_module_bytes
 from llorch.engine.kv.block_table import slots_of
 from llorch.engine.kv.pool import KVPool
 from llorch.models.decoder import Decoder
-from llorch.models.step_batch import ChunkSlots, build_step
+from llorch.models.step_batch import build_step
+from llorch.models.step_layout import ChunkSlots
 from llorch.weights.model_facts import parameter_count
 
 

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from llorch.models.config import ModelConfig
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
-from llorch.models.step_batch import LayerKV, RowLayout, StepBatch
+from llorch.models.step_batch import StepBatch
+from llorch.models.step_layout import LayerKV, RowLayout
 
 FEW_ROWS = 32  # up to this many rows, the vocabulary projection uses the weight-major matmul
 

@@ -21,7 +21,7 @@ from llorch.kernels.build import library
 from llorch.kernels.step import LayerDesc, Matrix, ModelDesc, StepDesc
 from llorch.models.config import ModelConfig
 from llorch.models.rope import RopeVariant, inverse_frequencies, layer_rope
-from llorch.models.step_batch import RowLayout
+from llorch.models.step_layout import RowLayout
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 F32 = int(GGMLQuantizationType.F32)

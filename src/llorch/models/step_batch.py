@@ -23,24 +23,7 @@ import torch
 from torch import Tensor
 
 from llorch.models.config import ModelConfig
-
-
-class LayerKV:
-    """One layer's keys and values: [slots, kv_heads, head_dim] each."""
-
-    def __init__(self, keys: Tensor, values: Tensor) -> None:
-        self.keys = keys
-        self.values = values
-
-
-@dataclass(frozen=True)
-class ChunkSlots:
-    """A chunk (one sequence's share of a step) as attention places it: `length` new tokens after `start`
-    cached ones."""
-
-    start: int
-    length: int
-    slots: np.ndarray  # the slot of every position 0 .. start + length - 1 (int64)
+from llorch.models.step_layout import ChunkSlots, RowLayout, row_layout
 
 
 @dataclass(frozen=True)
@@ -69,17 +52,6 @@ class AttentionGroup:
     @property
     def rows(self) -> int:
         return self.batch * self.q_len
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """The step's rows as plain host arrays: what a C step reads (and the torch layout is built from)."""
-
-    positions: np.ndarray  # [N] absolute position of every new token
-    write_slots: np.ndarray  # [N] where every new token's key and value are written
-    slots: np.ndarray  # every chunk's slots for its positions 0 .. end - 1, concatenated
-    slot_start: np.ndarray  # [N] where each row's chunk starts in `slots`
-    logit_rows: np.ndarray  # rows whose logits are wanted
 
 
 @dataclass
@@ -135,15 +107,7 @@ class StepBatch:
 def build_step(specs: list[ChunkSlots], config: ModelConfig, device: torch.device,
                logit_rows: list[int] | None = None, pad_slot: int = 0) -> StepBatch:
     """The layout of one step (host arrays; device tensors are made when a path asks for them)."""
-    positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in specs])
-    write_slots = np.concatenate([s.slots[s.start : s.start + s.length] for s in specs])
-    starts = np.cumsum([0] + [s.start + s.length for s in specs[:-1]])
-    slot_start = np.repeat(starts, [s.length for s in specs])
-    slots = np.concatenate([s.slots[: s.start + s.length] for s in specs])
-    wanted = np.arange(len(positions)) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
-    layout = RowLayout(positions.astype(np.int64), write_slots.astype(np.int64), slots.astype(np.int64),
-                       slot_start.astype(np.int64), wanted.astype(np.int64))
-    return StepBatch(layout, specs, config, device, pad_slot, all_logits=logit_rows is None)
+    return StepBatch(row_layout(specs, logit_rows), specs, config, device, pad_slot, all_logits=logit_rows is None)
 
 
 def _attention_groups(specs: list[ChunkSlots], config: ModelConfig, device: torch.device,

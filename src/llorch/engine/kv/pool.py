@@ -3,38 +3,57 @@
 The pool is cut into blocks of BLOCK_SIZE token slots; blocks.py decides which
 sequence uses which. Block 0 (NULL_BLOCK) is kept zeroed: padded attention reads it,
 so it must hold finite numbers.
+
+On the device None the pool is host numpy arrays, which the C step reads without torch.
 """
 
 from __future__ import annotations
 
-import torch
+import mmap
+from typing import TYPE_CHECKING, Any
 
-from llorch.device import assert_resident, tensor_bytes
+import numpy as np
+
 from llorch.engine.kv.blocks import NULL_BLOCK
 from llorch.models.config import ModelConfig
-from llorch.models.step_batch import LayerKV
+from llorch.models.step_layout import LayerKV
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK_SIZE = 16  # tokens per KV block: the unit of allocation and of prefix sharing
 
 
-def allocate_kv(config: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device,
+def host_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros on anonymous 4 KB pages, resident only once touched. numpy itself asks for huge
+    pages above 4 MB, and then the first touch of each block would make 2 MB resident."""
+    size = int(np.prod(shape)) * 4
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=np.float32, count=size // 4).reshape(shape)
+
+
+def allocate_kv(config: ModelConfig, slots: int, dtype: Any, device: torch.device | None,
                 zeroed: bool = False) -> list[LayerKV]:
-    """Keys and values of `slots` token slots for every layer: [slots, kv_heads, head_dim] each."""
+    """Keys and values of `slots` token slots for every layer: [slots, kv_heads, head_dim] each
+    (float32 host arrays, zeroed, for the device None)."""
     shape = (slots, config.num_kv_heads, config.head_dim)
+    if device is None:
+        return [LayerKV(host_zeros(shape), host_zeros(shape)) for _ in range(config.num_layers)]
+    import torch
+
     make = torch.zeros if zeroed else torch.empty  # empty: untouched pages cost no RSS
     return [LayerKV(make(shape, dtype=dtype, device=device), make(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)]
 
 
-def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> int:
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element * block_size
+def bytes_per_block(config: ModelConfig, dtype: Any, block_size: int = BLOCK_SIZE) -> int:
+    """`dtype` is a torch or numpy dtype: both say their item size."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize * block_size
 
 
 class KVPool:
     """`num_blocks` blocks of `block_size` slots for every layer, on `device`."""
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, budget_bytes: int,
+    def __init__(self, config: ModelConfig, device: torch.device | None, dtype: Any, budget_bytes: int,
                  block_size: int = BLOCK_SIZE) -> None:
         self.block_size = block_size
         self.block_bytes = bytes_per_block(config, dtype, block_size)
@@ -42,13 +61,16 @@ class KVPool:
         if self.num_blocks < 2:
             raise ValueError("the KV cache budget is smaller than two blocks")
         self.layers = allocate_kv(config, self.num_blocks * block_size, dtype, device)
-        null = slice(NULL_BLOCK * block_size, (NULL_BLOCK + 1) * block_size)
-        for layer in self.layers:
-            layer.keys[null].zero_()
-            layer.values[null].zero_()
-        assert_resident(device, [item for i, layer in enumerate(self.layers) for item in
-                                 ((f"kv.{i}.keys", layer.keys), (f"kv.{i}.values", layer.values))])
-        self.bytes = tensor_bytes(t for layer in self.layers for t in (layer.keys, layer.values))
+        if device is not None:  # host arrays start zeroed
+            from llorch.device import assert_resident
+
+            null = slice(NULL_BLOCK * block_size, (NULL_BLOCK + 1) * block_size)
+            for layer in self.layers:
+                layer.keys[null].zero_()
+                layer.values[null].zero_()
+            assert_resident(device, [item for i, layer in enumerate(self.layers) for item in
+                                     ((f"kv.{i}.keys", layer.keys), (f"kv.{i}.values", layer.values))])
+        self.bytes = sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values))
 
     @property
     def tokens(self) -> int:
