@@ -139,3 +139,23 @@ def test_presence_and_frequency_penalties_follow_openai() -> None:
     untouched = [i for i in range(len(LOGITS)) if i not in (0, 3)]
     assert torch.equal(penalized[untouched], LOGITS[untouched])
     assert_follows(draw(params, counts=counts), torch.softmax(penalized, -1))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((9, 3.0),))])
+def test_numpy_rows_draw_what_torch_rows_draw(params: SamplingParams) -> None:
+    """The C step's logits come as numpy arrays, with the sampler's history in numpy (no device): every one of
+    the seeded draws is the torch row's, so the distributions above hold for them too."""
+    host = SamplerState(params, SEED, [1], len(LOGITS), None)
+    device = SamplerState(params, SEED, [1], len(LOGITS), torch.device("cpu"))
+    for token in (0, 0, 0, 3):  # history for the penalties that read it
+        host.accept(token)
+        device.accept(token)
+    batch = LOGITS.expand(100, -1).contiguous()
+    drawn: Counter[int] = Counter()
+    for _ in range(DRAWS // 100):
+        ours = [s.token_id for s in sample_batch(batch.numpy(), [host] * 100)]
+        assert ours == [s.token_id for s in sample_batch(batch, [device] * 100)]
+        drawn.update(ours)
+    assert len(drawn) > 3  # sampled, not one token over and over

@@ -15,33 +15,35 @@ from collections.abc import Sequence as Rows
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+import numpy as np
 
-from llorch.kernels.rows import mask_rows
+from llorch.kernels.rows import address, mask_rows
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
+    from torch import Tensor
 
     from llorch.engine.sequence import Sequence
 
+    Logits = Tensor | np.ndarray
 
-def fill_mask(matcher: LLMatcher, row: Tensor) -> None:
+
+def fill_mask(matcher: LLMatcher, row: Tensor | np.ndarray) -> None:
     """One job's allowed tokens into `row` (int32, contiguous, on the CPU), written by the library itself.
 
     llguidance.torch offers this too, but importing it pulls in torch's compiler stack: 3 s of start-up.
     """
-    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    matcher.unsafe_compute_mask_ptr(address(row), row.nbytes)
 
 
 class PendingMasks:
     """One step's masks, being filled: which job has which row of the bitmask."""
 
-    def __init__(self, rows: dict[str, int], bitmask: Future[Tensor] | None) -> None:
+    def __init__(self, rows: dict[str, int], bitmask: Future[np.ndarray] | None) -> None:
         self._rows = rows
         self._bitmask = bitmask
 
-    def apply(self, sampling: Rows[Sequence], logits: Tensor, rows: Rows[int]) -> None:
+    def apply(self, sampling: Rows[Sequence], logits: Logits, rows: Rows[int]) -> None:
         """Set each constrained row of `logits` (row rows[i] is sampling[i]'s) to -inf outside its grammar."""
         if self._bitmask is None:
             return
@@ -54,7 +56,7 @@ class PendingMasks:
 NO_MASKS = PendingMasks({}, None)
 
 
-def mask_proposals(matcher: LLMatcher, draft: list[int], logits: Tensor, words: int) -> None:
+def mask_proposals(matcher: LLMatcher, draft: list[int], logits: Logits, words: int) -> None:
     """Mask the rows after a constrained row's proposals (logits[j] follows draft[j]) by its grammar in
     the state after the proposals up to j, on a copy of the job's matcher: a matcher that consumes past
     its grammar's end is left in an error that rolling back does not clear.
@@ -64,7 +66,7 @@ def mask_proposals(matcher: LLMatcher, draft: list[int], logits: Tensor, words: 
     before forbids that proposal, or the sequence ends there.
     """
     probe = matcher.deep_copy()
-    bitmask = torch.empty(len(draft), words, dtype=torch.int32)
+    bitmask = np.empty((len(draft), words), dtype=np.int32)
     consumed = 0
     for token in draft:
         if probe.is_stopped() or not probe.consume_token(token):
@@ -87,8 +89,8 @@ class GrammarMasks:
             return NO_MASKS
         matchers = [seq.matcher for seq in constrained]
 
-        def fill() -> Tensor:
-            bitmask = torch.empty(len(matchers), self.words, dtype=torch.int32)
+        def fill() -> np.ndarray:  # host memory whatever the logits' device: the mask is made on the CPU
+            bitmask = np.empty((len(matchers), self.words), dtype=np.int32)
             for row, matcher in enumerate(matchers):
                 fill_mask(matcher, bitmask[row])
             return bitmask

@@ -11,19 +11,29 @@ number. So a row's token depends on its own logits and its own stream only: the
 same seed gives the same tokens alone or in any batch, and no per-row generator
 object has to live on the device. Everything else runs row by row on the device,
 and the chosen ids (with any requested log-probabilities) leave it in one transfer.
+
+Logits may also be a numpy float32 array in host memory (the CPU worker's C step): then
+the state's history is numpy too (a SamplerState made with no device), the row math is
+engine.host_rows's, and torch is never imported. A row gets the same token either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
+from llorch.engine import arrays, host_rows
 from llorch.engine.request import SamplingParams
 from llorch.kernels.rows import argmax_rows, sample_row
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    Array = Tensor | np.ndarray
 
 # A draw lands strictly below the total mass, whatever float32 rounding does to u * total.
 _BELOW_ONE = 1.0 - 2.0**-20
@@ -34,42 +44,42 @@ MIN_REPETITION_PENALTY = 1e-6
 
 
 class SamplerState:
-    """One sequence's sampler: parameters, random stream, and the history penalties read."""
+    """One sequence's sampler: parameters, random stream, and the history penalties read (on `device`, or in
+    numpy arrays when it is None: the state of rows whose logits are numpy arrays, and only of those)."""
 
     def __init__(self, params: SamplingParams, seed: int, prompt_ids: Sequence[int], vocab_size: int,
-                 device: torch.device, eos_ids: Sequence[int] = ()) -> None:
+                 device: torch.device | None, eos_ids: Sequence[int] = ()) -> None:
         self.params = params
         self.device = device
         self._stream = np.random.Generator(np.random.Philox(seed))
         # Repetition penalty: every id in the context (prompt and output), grown as tokens come.
-        self._seen: Tensor | None = None
+        self._seen: Array | None = None
         self._seen_count = 0
         if params.repetition_penalty != 1.0:
-            self._seen = torch.empty(max(64, 2 * len(prompt_ids)), dtype=torch.long, device=device)
-            self._seen[: len(prompt_ids)] = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+            prompt = arrays.ids(list(prompt_ids), device)
+            self._seen = arrays.grown(prompt, len(prompt_ids), max(64, 2 * len(prompt_ids)))
             self._seen_count = len(prompt_ids)
         # Presence/frequency penalties: how often each id was generated (the prompt does not count).
-        self.counts: Tensor | None = None
+        self.counts: Array | None = None
         if params.presence_penalty or params.frequency_penalty:
-            self.counts = torch.zeros(vocab_size, device=device)
+            self.counts = arrays.zeros(vocab_size, device)
         # Logit bias: the named ids and what is added to their logits.
-        self.bias: tuple[Tensor, Tensor] | None = None
+        self.bias: tuple[Array, Array] | None = None
         if params.logit_bias:
             ids, values = zip(*params.logit_bias, strict=True)
-            self.bias = (torch.tensor(ids, dtype=torch.long, device=device),
-                         torch.tensor(values, dtype=torch.float32, device=device))
+            self.bias = (arrays.ids(ids, device), arrays.floats(values, device))
         # min_tokens: the end-of-generation ids, masked until that many tokens are out.
         self.generated = 0
-        self.eos: Tensor | None = None
+        self.eos: Array | None = None
         if params.min_tokens > 0 and eos_ids:
-            self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+            self.eos = arrays.ids(sorted(eos_ids), device)
 
     @property
     def eos_blocked(self) -> bool:
         return self.eos is not None and self.generated < self.params.min_tokens
 
     @property
-    def seen(self) -> Tensor | None:
+    def seen(self) -> Array | None:
         return None if self._seen is None else self._seen[: self._seen_count]
 
     def uniform(self) -> float:
@@ -81,9 +91,7 @@ class SamplerState:
         self.generated += 1
         if self._seen is not None:
             if self._seen_count == len(self._seen):
-                grown = torch.empty(2 * len(self._seen), dtype=torch.long, device=self.device)
-                grown[: self._seen_count] = self._seen
-                self._seen = grown
+                self._seen = arrays.grown(self._seen, self._seen_count, 2 * len(self._seen))
             self._seen[self._seen_count] = token_id
             self._seen_count += 1
         if self.counts is not None:
@@ -99,26 +107,39 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor | None, penalty: float) -> Tensor:
+def apply_repetition_penalty(logits: Array, seen: Array | None, penalty: float) -> Array:
     """Make tokens already in the context less (penalty > 1) or more (< 1) likely."""
-    if penalty == 1.0 or seen is None or seen.numel() == 0:
+    if penalty == 1.0 or seen is None or len(seen) == 0:
         return logits
     penalty = max(penalty, MIN_REPETITION_PENALTY)
+    if isinstance(logits, np.ndarray):
+        picked = logits[seen]
+        logits = logits.copy()
+        logits[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
+        return logits
+    import torch
+
     picked = logits.gather(0, seen)
     logits = logits.clone()
     logits.scatter_(0, seen, torch.where(picked > 0, picked / penalty, picked * penalty))
     return logits
 
 
-def apply_presence_frequency(logits: Tensor, counts: Tensor | None, params: SamplingParams) -> Tensor:
+def apply_presence_frequency(logits: Array, counts: Array | None, params: SamplingParams) -> Array:
     """OpenAI's penalties: subtract frequency * count and presence * (count > 0) per token."""
     if counts is None or (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0):
         return logits
-    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    present = (counts > 0).astype(logits.dtype) if isinstance(counts, np.ndarray) else (counts > 0).to(logits.dtype)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * present
 
 
-def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+def filtered_probs(logits: Array, params: SamplingParams) -> Array:
     """The distribution a sampled token is drawn from (1-d), after temperature and filters."""
+    if isinstance(logits, np.ndarray):
+        return host_rows.filtered_probs(logits, max(params.temperature, MIN_TEMPERATURE), params.top_k,
+                                        params.top_p, params.min_p)
+    import torch
+
     logits = logits.float()
     # Shifted by the maximum first, so a tiny temperature gives -inf, never inf - inf = NaN.
     logits = (logits - logits.max()) / max(params.temperature, MIN_TEMPERATURE)
@@ -138,36 +159,57 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return probs / probs.sum()
 
 
-def penalized(logits: Tensor, state: SamplerState) -> Tensor:
+def penalized(logits: Array, state: SamplerState) -> Array:
     """One row's logits after the bias and penalties its parameters ask for."""
+    host = isinstance(logits, np.ndarray)
     if state.bias is not None:
-        logits = logits.index_add(0, state.bias[0], state.bias[1].to(logits.dtype))
+        if host:
+            logits = logits.copy()
+            np.add.at(logits, state.bias[0], state.bias[1].astype(logits.dtype))
+        else:
+            logits = logits.index_add(0, state.bias[0], state.bias[1].to(logits.dtype))
     logits = apply_repetition_penalty(logits, state.seen, state.params.repetition_penalty)
     logits = apply_presence_frequency(logits, state.counts, state.params)
     if state.eos_blocked:
-        logits = logits.index_fill(0, state.eos, float("-inf"))  # type: ignore[arg-type]
+        if host:
+            logits = logits.copy()
+            logits[state.eos] = -np.inf
+        else:
+            logits = logits.index_fill(0, state.eos, float("-inf"))  # type: ignore[arg-type]
     return logits
 
 
-def draw(probs: Tensor, uniform: float) -> Tensor:
-    """The token (0-d tensor) where the cumulative distribution first passes `uniform` of its mass."""
+def draw(probs: Array, uniform: float) -> Array | int:
+    """The token (0-d tensor, or an int for a numpy row) where the cumulative distribution first passes
+    `uniform` of its mass."""
+    if isinstance(probs, np.ndarray):
+        return host_rows.draw(probs, uniform * _BELOW_ONE)
+    import torch
+
     cumulative = torch.cumsum(probs, dim=-1)
     target = cumulative[-1:] * (uniform * _BELOW_ONE)
     return torch.searchsorted(cumulative, target, right=True)[0].clamp_(max=probs.numel() - 1)
 
 
-def sample(logits: Tensor, params: SamplingParams, uniform: float) -> Tensor:
-    """One row's token (0-d tensor) for a `uniform` draw: in one C pass on the CPU, with torch
-    elsewhere and for a row the C pass leaves to it (a NaN or an infinity)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+def sample(logits: Array, params: SamplingParams, uniform: float) -> Array | int:
+    """One row's token (0-d tensor, or an int for a numpy row) for a `uniform` draw: in one C pass on the CPU,
+    with torch elsewhere and the array's own ops for a row the C pass leaves to them (a NaN or an infinity)."""
+    host = isinstance(logits, np.ndarray)
+    if host:
+        in_c = logits.dtype == np.float32
+    else:
+        import torch
+
+        in_c = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if in_c:
         token = sample_row(logits, max(params.temperature, MIN_TEMPERATURE), params.top_k, params.top_p,
                            params.min_p, uniform * _BELOW_ONE)
         if token is not None:
-            return torch.tensor(token)
+            return token if host else torch.tensor(token)
     return draw(filtered_probs(logits, params), uniform)
 
 
-def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Sequence[int | None] = ()) -> list[Sampled]:
+def sample_batch(logits: Array, states: Sequence[SamplerState], logprobs: Sequence[int | None] = ()) -> list[Sampled]:
     """One token per row of `logits` [R, vocab], row i drawn with `states[i]`.
 
     `logprobs[i]` (when given and not None) asks for row i's chosen-token log-probability
@@ -177,7 +219,7 @@ def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Seque
     rows = logits.shape[0]
     wanted = list(logprobs) + [None] * (rows - len(logprobs))
     greedy = [s.params.greedy for s in states]
-    chosen: list[Tensor] = []
+    chosen: list[Array | int] = []
     plain = [i for i in range(rows) if plain_greedy(states[i])]
     if len(plain) == rows and not any(k is not None for k in wanted):  # the common case, in one pass
         return [Sampled(int(t)) for t in argmax(logits).tolist()]
@@ -190,7 +232,12 @@ def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Seque
             continue
         row = penalized(logits[i], state)
         chosen.append(row.argmax() if greedy[i] else sample(row, state.params, state.uniform()))
-    ids = torch.stack(chosen)
+    if isinstance(logits, np.ndarray):
+        return [Sampled(int(token)) if k is None else Sampled(int(token), *host_rows.logprobs(logits[i], int(token), k))
+                for i, (token, k) in enumerate(zip(chosen, wanted, strict=True))]
+    import torch
+
+    ids = torch.stack(chosen)  # type: ignore[arg-type]
     extras: list[Tensor] = []
     for i, k in enumerate(wanted):
         if k is None:
@@ -213,8 +260,14 @@ def sample_batch(logits: Tensor, states: Sequence[SamplerState], logprobs: Seque
     return results
 
 
-def argmax(logits: Tensor) -> Tensor:
+def argmax(logits: Array) -> Array:
     """Each row's argmax: in C on the CPU (torch's takes 0.25 ms a row at 262k), torch's elsewhere."""
+    if isinstance(logits, np.ndarray):
+        if logits.dtype == np.float32:
+            return np.array(argmax_rows(logits), dtype=np.int64)
+        return logits.argmax(axis=-1)
+    import torch
+
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.tensor(argmax_rows(logits), dtype=torch.long)
     return logits.argmax(dim=-1)

@@ -18,12 +18,16 @@ distribution without it.
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from llorch.engine.sampler import Sampled, SamplerState, argmax, plain_greedy, sample_batch
 
+if TYPE_CHECKING:
+    import numpy as np
+    from torch import Tensor
 
-def verify(logits: Tensor, draft: list[int], state: SamplerState, logprobs: int | None) -> list[Sampled]:
+
+def verify(logits: Tensor | np.ndarray, draft: list[int], state: SamplerState, logprobs: int | None) -> list[Sampled]:
     """The tokens a row keeps from `logits` [len(draft) + 1, vocab]: the proposals its sampler
     chooses too, then its own next choice. The sampler state has recorded every kept proposal."""
     if logprobs is None and plain_greedy(state):
