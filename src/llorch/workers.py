@@ -38,6 +38,7 @@ from llorch.engine.config import (
 from llorch.engine.factory import build_engine
 from llorch.errors import StartupError
 from llorch.host import physical_cores
+from llorch.kernels import build as kernels
 from llorch.logs import setup_logging
 from llorch.models.encoder_config import POOLINGS
 from llorch.settings import ServingSettings
@@ -186,6 +187,7 @@ def open_backend(settings: ServingSettings) -> Backend:
     engine through here too)."""
     backend = resolve_backend(settings.backend, settings.cuda_device)
     torch.set_num_threads(settings.threads or physical_cores())
+    kernels.set_threads(settings.threads or physical_cores())
     verify_device(backend.device)
     return backend
 

@@ -154,7 +154,7 @@ def create_ollama_router(state: WorkerState) -> APIRouter:
         except OllamaError as exc:
             return exc.response()
         resident = engine.resident_bytes
-        on_gpu = engine.device.type == "cuda"
+        on_gpu = engine.device.startswith("cuda")
         return {"models": [{**await entry(engine), "size": resident, "size_vram": resident if on_gpu else 0,
                             "expires_at": NEVER_EXPIRES, "context_length": engine.ctx_size}]}
 

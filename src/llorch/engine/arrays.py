@@ -45,6 +45,15 @@ def zeros(size: int, device: torch.device | None) -> Array:
     return torch.zeros(size, device=device)
 
 
+def concat(parts: Sequence[Array]) -> Array:
+    """Arrays of one kind joined along their first axis."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import torch
+
+    return torch.cat(list(parts))
+
+
 def grown(values: Array, count: int, capacity: int) -> Array:
     """An int64 buffer of `capacity` of the same kind as `values` (and on its device), holding values[:count] first."""
     if isinstance(values, np.ndarray):

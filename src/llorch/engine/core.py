@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
+from llorch.engine.arrays import concat
 from llorch.engine.grammar import KIND_NAMES, engine_message, explained
 from llorch.engine.masks import GrammarMasks, PendingMasks, mask_proposals
 from llorch.engine.plan import Chunk, RowOutput, StepOutput, logit_rows
 from llorch.engine.request import ErrorCode, StopReason
-from llorch.engine.runner import ChunkInput, ModelRunner
+from llorch.engine.runner import ChunkInput, ModelRunner, out_of_memory
 from llorch.engine.sampler import Sampled, SamplerState, sample_batch
 from llorch.engine.scheduler import GrammarRefused, Scheduler
 from llorch.engine.scoring import Pool, score_rows
@@ -33,6 +32,9 @@ from llorch.engine.sequence import Sequence, SequenceState
 from llorch.engine.telemetry import Telemetry
 from llorch.engine.verify import verify
 from llorch.engine.views import EngineStats
+
+if TYPE_CHECKING:
+    from llorch.engine.arrays import Array as Tensor  # torch's, or the C step's numpy logits
 
 log = logging.getLogger("llorch.engine")
 
@@ -112,7 +114,7 @@ class EngineCore:
         masks = self.masks.begin([c.seq for c in plan.chunks if c.completes])
         sampling, logits = self._run(plan.chunks, out)
         if sampling:
-            self._sample(sampling, logits, masks, out)
+            self._sample(sampling, logits, masks, out)  # type: ignore[arg-type]
         generated = sum(len(row.sampled) for row in out.rows)
         if generated and all(chunk.tokens == 1 for chunk in plan.chunks):  # decoding rows only
             self.telemetry.time_per_output_token.observe((time.perf_counter() - started) * len(out.rows) / generated)
@@ -126,14 +128,14 @@ class EngineCore:
             seq.matcher = seq.grammar.matcher()
         out.admitted.append(seq)
 
-    def _run(self, chunks: list[Chunk], out: StepOutput) -> tuple[list[Sequence], Tensor]:
+    def _run(self, chunks: list[Chunk], out: StepOutput) -> tuple[list[Sequence], Tensor | None]:
         """One forward over the step's chunks: the sequences that sample now, and their logits rows."""
         try:
             return self._forward(chunks, out)
         except Exception as exc:
             if len(chunks) == 1:
                 self._fail_forward(chunks[0], exc, out)
-                return [], torch.empty(0)
+                return [], None
         sampling: list[Sequence] = []
         rows: list[Tensor] = []
         for chunk in chunks:
@@ -144,7 +146,7 @@ class EngineCore:
                 continue
             sampling.extend(seqs)
             rows.append(logits)
-        return sampling, torch.cat(rows) if rows else torch.empty(0)
+        return sampling, concat(rows) if rows else None
 
     def _forward(self, chunks: list[Chunk], out: StepOutput) -> tuple[list[Sequence], Tensor]:
         """Run the chunks; score the prompt rows that were asked for; finish jobs that only read their prompt.
@@ -205,8 +207,7 @@ class EngineCore:
         """Every sampling row's tokens (a row with proposals verifies them), then the scheduler accepts each."""
         firsts = logit_rows(sampling, range(len(sampling)), first_only=True)  # each row's sampling row
         try:
-            with torch.inference_mode():  # the logits are inference tensors; masks write them in place
-                masks.apply(sampling, logits, firsts)
+            masks.apply(sampling, logits, firsts)
         except Exception as exc:  # only the constrained rows lose: sampled unmasked they would break their grammar
             log.exception("grammar masks failed")
             keep = [i for i, seq in enumerate(sampling) if seq.matcher is None]
@@ -263,9 +264,8 @@ class EngineCore:
                 continue
             try:
                 if seq.matcher is not None:  # each proposal row masked by the grammar after the ones before
-                    with torch.inference_mode():
-                        mask_proposals(seq.matcher, seq.draft, logits[firsts[i] + 1 : firsts[i] + 1 + len(seq.draft)],
-                                       self.masks.words)
+                    mask_proposals(seq.matcher, seq.draft, logits[firsts[i] + 1 : firsts[i] + 1 + len(seq.draft)],
+                                   self.masks.words)
                 tokens[i] = verify(logits[firsts[i] : firsts[i] + 1 + len(seq.draft)], seq.draft, seq.sampler,  # type: ignore[arg-type]
                                    seq.request.logprobs)
             except Exception as exc:
@@ -288,7 +288,7 @@ class EngineCore:
             return None
 
     def _fail_forward(self, chunk: Chunk, exc: Exception, out: StepOutput) -> None:
-        if isinstance(exc, torch.OutOfMemoryError):
+        if out_of_memory(exc):
             self._fail(chunk.seq, ErrorCode.VRAM_OOM, f"out of memory: {exc}", out)
             return
         log.error("step failed", exc_info=exc, extra={"job_id": chunk.seq.job_id})

@@ -67,7 +67,7 @@ class Engine:
         self.kind = front.kind  # "generate", "embed" or "rerank"
         self.embedding = embedding  # an embedding model's vectors
         self.ctx_size = config.ctx_size
-        self.device = core.runner.device
+        self.device = str(core.runner.device or "cpu")  # "cpu", "cuda:0", ...: the C step runs on the CPU
         self.tokens = TokenFacts(tokenizer)  # the tokenizer as the API layers may see it
         self.front = front
         self.telemetry = telemetry

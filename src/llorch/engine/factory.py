@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, PROBE_TEXT, EngineConfig, resolve_dtype
@@ -36,6 +37,7 @@ from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
 from llorch.kernels.build import library as kernel_library
 from llorch.memory import release_freed_memory
+from llorch.models.native import NativeDecoder
 from llorch.models.step_batch import contiguous_step
 from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
@@ -193,7 +195,10 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     if not 0 < ctx_size <= loaded.config.context_length:
         source = "--ctx-size" if config.ctx_size else "the model's context_length"
         raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
-    runner = ModelRunner(loaded.model, device, loaded.dtype, kv_pool_bytes(config, loaded, device, ctx_size))
+    pool_bytes = kv_pool_bytes(config, loaded, device, ctx_size)
+    native = loaded.model.native
+    runner = (ModelRunner(native, None, np.dtype(np.float32), pool_bytes) if isinstance(native, NativeDecoder)
+              else ModelRunner(loaded.model, device, loaded.dtype, pool_bytes))
     speculative = speculation_mode(config, loaded)
     speculation = (draft_speculation(config, runner, loaded.tokenizer, device) if speculative == "draft"
                    else NgramSpeculation(config.speculative_tokens, SPECULATIVE_MAX_ROWS) if speculative == "ngram"

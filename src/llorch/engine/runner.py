@@ -4,22 +4,35 @@ The pool (engine.kv.pool) is allocated once, at start-up; the scheduler decides 
 blocks each sequence uses. Every tensor the runner creates lives on the worker's
 device, and the residency guard checks them; the only values that leave the device
 are the sampled token ids (in the sampler) and the log-probabilities asked for.
+
+The C step (models/native.py) runs without a torch device: its pool is host numpy
+arrays and its logits come back as numpy, and this module imports no torch for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
-from llorch.device import resident_module_bytes
 from llorch.engine.kv.block_table import slots_of
 from llorch.engine.kv.pool import KVPool
-from llorch.models.decoder import Decoder
-from llorch.models.step_batch import build_step
-from llorch.models.step_layout import ChunkSlots
+from llorch.kernels.build import threads
+from llorch.models.native import NativeDecoder
+from llorch.models.step_layout import ChunkSlots, row_layout
 from llorch.weights.model_facts import parameter_count
+
+if TYPE_CHECKING:
+    import torch
+
+    from llorch.engine.arrays import Array
+    from llorch.models.decoder import Decoder
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """torch's device allocation failed (told by name, so as not to import torch to ask)."""
+    return type(exc).__name__ == "OutOfMemoryError"
 
 
 @dataclass(frozen=True)
@@ -38,12 +51,19 @@ class ChunkInput:
 
 
 class ModelRunner:
-    def __init__(self, model: Decoder, device: torch.device, dtype: torch.dtype, kv_cache_bytes: int) -> None:
+    def __init__(self, model: Decoder | NativeDecoder, device: torch.device | None, dtype: Any,
+                 kv_cache_bytes: int) -> None:
+        """`device` None runs the C step (`model` a NativeDecoder, `dtype` numpy's float32) on host arrays."""
         self.model = model
         self.config = model.config
         self.device = device
         self.dtype = dtype
-        self.weight_bytes = resident_module_bytes(device, model)
+        if isinstance(model, NativeDecoder):
+            self.weight_bytes = model.weight_bytes
+        else:
+            from llorch.device import resident_module_bytes
+
+            self.weight_bytes = resident_module_bytes(device, model)
         self.kv = KVPool(self.config, device, dtype, kv_cache_bytes)
 
     @property
@@ -55,8 +75,7 @@ class ModelRunner:
     def parameter_count(self) -> int:
         return parameter_count(self.config)  # from the shapes: GGUF blocks hold several values a byte
 
-    @torch.inference_mode()
-    def forward(self, chunks: list[ChunkInput]) -> Tensor:
+    def forward(self, chunks: list[ChunkInput]) -> Array:
         """Logits [R, vocab] of the wanted rows after one batched forward: per chunk, in order, its scored
         rows, its sampling row and the rows of its proposed tokens.
 
@@ -72,5 +91,13 @@ class ModelRunner:
             row += len(chunk.token_ids)
             if chunk.wants_logits:
                 logit_rows.extend(range(row - 1 - chunk.verified, row))
+        if isinstance(self.model, NativeDecoder):
+            cache = [(layer.keys, layer.values) for layer in self.kv.layers]
+            return self.model.forward(np.asarray(ids, dtype=np.int64), row_layout(specs, logit_rows), cache, threads())
+        import torch
+
+        from llorch.models.step_batch import build_step
+
         batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=self.kv.pad_slot)
-        return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv.layers)
+        with torch.inference_mode():
+            return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv.layers)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llorch.cache import cache_dir
-from llorch.host import cpuinfo
+from llorch.host import cpuinfo, physical_cores
 
 SOURCES = Path(__file__).with_name("csrc")
 
@@ -173,6 +173,20 @@ def load_variant(name: str) -> ctypes.CDLL:
         getattr(lib, function).argtypes = argtypes
         getattr(lib, function).restype = restype
     return lib
+
+
+_threads: int | None = None
+
+
+def set_threads(count: int) -> None:
+    """The worker's --threads for the C step (torch's own count is set apart, for its paths)."""
+    global _threads
+    _threads = count
+
+
+def threads() -> int:
+    """Threads the C step runs on: set_threads's count, else one per physical core."""
+    return _threads or physical_cores()
 
 
 def library() -> ctypes.CDLL:

@@ -99,11 +99,12 @@ def mask_rows(logits: Array, rows: list[int], bitmask: Array) -> None:
         return
     if isinstance(bitmask, np.ndarray):
         bitmask = torch.from_numpy(bitmask)
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1).to(logits.device)
-    cols = min(logits.shape[1], allowed.shape[1])
-    index = torch.tensor(rows, device=logits.device)
-    selected = logits[index]
-    selected[:, :cols].masked_fill_(~allowed[:, :cols], float("-inf"))
-    selected[:, cols:] = float("-inf")
-    logits[index] = selected
+    with torch.inference_mode():  # a forward pass's logits are inference tensors: written in place only here
+        bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1).to(logits.device)
+        cols = min(logits.shape[1], allowed.shape[1])
+        index = torch.tensor(rows, device=logits.device)
+        selected = logits[index]
+        selected[:, :cols].masked_fill_(~allowed[:, :cols], float("-inf"))
+        selected[:, cols:] = float("-inf")
+        logits[index] = selected

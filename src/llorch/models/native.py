@@ -60,6 +60,7 @@ class NativeDecoder:
         cfg = self.config = config
         self.weights = dict(weights)  # keeps every array the descriptors point into alive
         self.types = dict(types)
+        self.weight_bytes = sum(array.nbytes for array in self.weights.values())
         self.lib = library()
         self.vocab = cfg.vocab_size
         variants: list[RopeVariant] = []
