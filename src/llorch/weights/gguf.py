@@ -17,16 +17,18 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from llorch.errors import ModelFileError
 from llorch.weights import limits
 from llorch.weights.tensor_read import TensorRead
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -294,7 +296,9 @@ class GGUFFile:
         return TensorRead(self.path, list(targets), [info.offset for info in infos], list(targets.values()))
 
     def dequantize(self, name: str) -> torch.Tensor:
-        """The tensor as float32 in its torch shape."""
+        """The tensor as float32 in its torch shape (the header and the raw blocks need no torch)."""
+        import torch
+
         info = self.tensors[name]
         if info.qtype not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
@@ -321,6 +325,8 @@ def _dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
     gguf's numpy version takes ~3 s for the default model's 262k x 640 embedding;
     this takes a fraction of that, and a test checks it against gguf's.
     """
+    import torch
+
     blocks = torch.from_numpy(np.array(raw)).reshape(-1, _Q8_0_BYTES)
     scales = blocks[:, :2].contiguous().view(torch.float16).float()
     quants = blocks[:, 2:].contiguous().view(torch.int8).float()
