@@ -24,6 +24,7 @@ from llorch.engine.engine import Engine
 from llorch.engine.factory import build_engine
 from llorch.engine.masks import fill_mask
 from llorch.engine.request import Constraint, Event, GenerationRequest, SamplingParams
+from llorch.kernels import build as kernels
 
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000}
 PROMPT = "A list of animal names as JSON:"
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)  # the C step's own count
     engine = build_engine(EngineConfig(ctx_size=1024, max_running=16, prefix_caching=False))
     engine.start()
     started = time.perf_counter()

@@ -27,6 +27,7 @@ from llorch.engine.engine import Engine
 from llorch.engine.factory import decoder_engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams
 from llorch.engine.telemetry import Telemetry
+from llorch.kernels import build as kernels
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import load_model
 
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[64, 2048])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)  # the C step's own count
     loaded = load_model(default_model_path(), torch.device("cpu"), torch.float32, keep_quantized=True)
     tokenizer = loaded.tokenizer
     words = tokenizer.encode("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "

@@ -19,6 +19,7 @@ import torch
 from llorch.engine.config import EngineConfig
 from llorch.engine.factory import build_engine
 from llorch.engine.request import Event, GenerationRequest, SamplingParams, TokenText
+from llorch.kernels import build as kernels
 
 SYSTEM_SENTENCE = ("You are a careful assistant for a travel agency; answer briefly, cite no sources, "
                    "and stay polite even when the user is not.")
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=250)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)  # the C step's own count
     words = SYSTEM_SENTENCE.split()
     system = " ".join(words[i % len(words)] for i in range(args.system_words))
     print("| prefix cache | prompt tokens | computed | from cache | TTFT p50 (s) |\n|---|---|---|---|---|")

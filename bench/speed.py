@@ -55,6 +55,7 @@ from launch import free_port, start_server, stop
 from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.host import cpuinfo, physical_cores
+from llorch.kernels import build as kernels
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
 from soak import rss_mb
@@ -92,13 +93,14 @@ def timed_greedy(prefill: Callable[[], int], step: Callable[[int, int], int]) ->
 # -- in-process engines ------------------------------------------------------------------------------
 def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
     tokens = PROMPT_TOKENS + DECODE_TOKENS + 1
-    runner = ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype,
-                         kv_cache_bytes=(tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, loaded.dtype))
+    pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, loaded.dtype)
+    native = loaded.model.native  # the worker's runner: the C step on host arrays, where it runs
+    runner = (ModelRunner(native, None, np.dtype(np.float32), pool) if native is not None
+              else ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, pool))
     blocks = list(range(1, runner.kv.num_blocks))
 
     def forward(segment: ChunkInput) -> int:
-        with torch.inference_mode():
-            return int(torch.argmax(runner.forward([segment])[0]))
+        return int(runner.forward([segment])[0].argmax())
 
     return timed_greedy(lambda: forward(ChunkInput(ids, 0, blocks, True)),
                         lambda token, i: forward(ChunkInput([token], PROMPT_TOKENS + i, blocks, True)))
@@ -456,6 +458,7 @@ def main() -> None:
     args = parser.parse_args()
     args.threads = args.threads or physical_cores()
     torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)  # the C step's own count
     results: dict[str, Any] = {"threads": args.threads, "reps": args.reps, "device": "cpu", "models": {},
                                "machine": {"cpu": next((line.split(":", 1)[1].strip() for line in cpuinfo().splitlines()
                                                         if line.startswith("model name")), "unknown"),
