@@ -20,6 +20,7 @@ from llorch.models.config import ModelConfig
 from llorch.models.decoder import Decoder
 from llorch.models.native import NativeDecoder
 from llorch.models.quantized import TYPE_SUFFIX, GGUFEmbedding, GGUFLinear, swap_quantized
+from llorch.models.weight_shapes import decoder_weight_shapes
 from llorch.weights import gguf_model, hf_model
 from llorch.weights.converted import ConversionCache, ConvertedMeta, file_sha256, known_digest
 from llorch.weights.gguf import GGUFFile
@@ -101,7 +102,7 @@ def load_model(
         source.config = replace(source.config, tie_word_embeddings=True)
         source.shapes.pop("lm_head.weight", None)
     # Every tensor is what the config needs before one is read: a header may claim anything.
-    _check_shapes(path, source.shapes, _expected_shapes(source.config))
+    _check_shapes(path, source.shapes, decoder_weight_shapes(source.config))
 
     with tqdm(desc="loading weights", unit="tensor", disable=not sys.stderr.isatty(), leave=False) as bar:
 
@@ -169,12 +170,6 @@ def _build_decoder(path: Path, config: ModelConfig, state: dict[str, torch.Tenso
     if not blocks:
         model.fuse_projections()
     return model
-
-
-def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight the decoder of `config` takes, with its element shape (a skeleton on the meta device)."""
-    with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in Decoder(config).state_dict().items()}
 
 
 def _check_shapes(path: Path, shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
