@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from torch import Tensor
 
 from llorch.kernels.build import library
+from llorch.kernels.rows import address
 
 ACT_BLOCK_BYTES = 40  # one quantized activation block: float scale, two int16 sums, 32 int8 values
 ACT_BLOCK = 32
@@ -42,8 +43,7 @@ def repacked(weight: Tensor | np.ndarray, qtype: int, k: int, lib: ctypes.CDLL |
     """
     lib = lib or library()
     layout = int(lib.llorch_repacked_type(int(qtype), weight.shape[0]))
-    address = weight.ctypes.data if isinstance(weight, np.ndarray) else weight.data_ptr()
-    if layout != int(qtype) and lib.llorch_repack(layout, address, weight.shape[0], k) != 0:
+    if layout != int(qtype) and lib.llorch_repack(layout, address(weight), weight.shape[0], k) != 0:
         raise MemoryError(f"repacking a matrix of {weight.shape[0]} rows: no memory for its row groups' copies")
     return layout
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from llorch.models.config import ModelConfig
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
+from llorch.models.rope import layer_rope
 from llorch.models.step_batch import StepBatch
 from llorch.models.step_layout import LayerKV, RowLayout
 
@@ -111,15 +112,13 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        rope = layer_rope(config, sliding)  # the C step reads the same choice (models/native.py)
+        self.rope_theta, self.rope_scaling = rope.theta, rope.scaling
         factors = None
-        if sliding and config.rope_local_theta is not None:
-            self.rope_theta, self.rope_scaling = config.rope_local_theta, 1.0
-        else:
-            self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_global_scaling
-            if config.rope_freq_factors is not None:
-                # Built on the CPU even when the model is built on the meta device: it comes from
-                # the config, not the state dict, and moves to the worker's device with the weights.
-                factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+        if rope.factors is not None:
+            # Built on the CPU even when the model is built on the meta device: it comes from
+            # the config, not the state dict, and moves to the worker's device with the weights.
+            factors = torch.tensor(rope.factors, dtype=torch.float32, device="cpu")
         self.freq_factors: Tensor | None
         self.register_buffer("freq_factors", factors, persistent=False)
         self.qkv_sizes = [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd]
