@@ -58,6 +58,7 @@ from llorch.host import cpuinfo, physical_cores
 from llorch.kernels import build as kernels
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
+from llorch.weights.native_loader import load_native
 from soak import rss_mb
 
 PROMPT_TOKENS = 512
@@ -94,7 +95,7 @@ def timed_greedy(prefill: Callable[[], int], step: Callable[[int, int], int]) ->
 def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
     tokens = PROMPT_TOKENS + DECODE_TOKENS + 1
     pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, loaded.dtype)
-    native = loaded.model.native  # the worker's runner: the C step on host arrays, where it runs
+    native = loaded.native  # the worker's runner: the C step on host arrays, where it runs
     runner = (ModelRunner(native, None, np.dtype(np.float32), pool) if native is not None
               else ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, pool))
     blocks = list(range(1, runner.kv.num_blocks))
@@ -210,11 +211,10 @@ def attempt(section: dict[str, Any], name: str, measure: Callable[[], Any], into
 
 def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: Any | None) -> dict[str, Any]:
     section: dict[str, Any] = {"label": label, "file": model.name, "file_mb": round(model.stat().st_size / 1e6, 1)}
-    served = load_model(model, torch.device("cpu"), torch.float32, keep_quantized=True)
+    served = load_native(model)  # as the CPU worker loads it
     ids = prompt_ids(served)
     prompt = served.tokenizer.decode(ids[1:])  # without BOS: both servers add it
-    section["bytes_per_token"] = {"llorch": sum(m.weight.numel() for m in served.model.modules()
-                                                if hasattr(m, "weight_type")),
+    section["bytes_per_token"] = {"llorch": sum(served.model.weights[name].nbytes for name in served.model.types),
                                   "llama.cpp": sum(t.nbytes for t in GGUFFile(model).tensors.values())}
     # The KV pool of the concurrency worker holds as many tokens as llama-server's slots (its
     # default budget would hold fewer of a large model's tokens, and jobs would wait for blocks).

@@ -32,7 +32,7 @@ def run_program(program: str, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.cpu
 def test_cpu_backend_is_always_available_and_verified() -> None:
     backend = resolve_backend("cpu")
-    assert backend.device == torch.device("cpu")
+    assert backend.device == "cpu"
     verify_device(backend.device)
 
 
@@ -97,7 +97,7 @@ def test_runner_refuses_a_model_with_a_stray_weight(ours: LoadedModel) -> None:
 def test_cuda_worker_device_computes() -> None:
     backend = resolve_backend("cuda")
     verify_device(backend.device)
-    assert backend.device.type == "cuda"
+    assert backend.device == "cuda:0"
 
 
 @pytest.mark.accelerate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -39,6 +40,25 @@ def test_dequantize_matches_gguf_package(default_gguf: GGUFFile, qtype: str) -> 
     expected = torch.from_numpy(reference_dequantize(np.array(default_gguf.raw(name)), info.qtype)).reshape(info.shape)
     assert ours.dtype == torch.float32
     assert torch.equal(ours, expected)
+    assert np.array_equal(default_gguf.dequantize_array(name), expected.numpy())  # the C step's loader's
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0])
+def test_norms_of_every_float_type_read_as_gguf_reads_them(tmp_path: Path, qtype: GGMLQuantizationType) -> None:
+    """A norm stored in a 16-bit or block type reads, without torch, to the reference's values and torch's."""
+    values = np.random.default_rng(0).standard_normal(64).astype(np.float32) * 3
+    writer = gguf.GGUFWriter(str(tmp_path / "norm.gguf"), "llama")
+    writer.add_tensor("norm.weight", gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(tmp_path / "norm.gguf")
+    expected = reference_dequantize(np.array(file.raw("norm.weight")), qtype).reshape(64)
+    ours = file.dequantize_array("norm.weight")
+    assert ours.dtype == np.float32
+    assert np.array_equal(ours, expected)
+    assert np.array_equal(ours, file.dequantize("norm.weight").numpy())
 
 
 def test_q8_0_fast_path_matches_on_the_embedding(default_gguf: GGUFFile) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ from conftest import LLAMA_CPP_KL, all_logits, exported, greedy_ids
 from llorch.kernels import build
 from llorch.models.decoder import Decoder
 from llorch.weights.loader import LoadedModel, load_model
+from llorch.weights.native_loader import load_native
 from model_zoo import ARCHITECTURES, Q
 
 pytestmark = pytest.mark.cpu
@@ -43,6 +45,21 @@ def load_blocks(path: Path) -> LoadedModel:
     loaded = load_model(path, torch.device("cpu"), torch.float32, keep_quantized=True)
     assert loaded.model.native is not None, "GGUF weights on the CPU in float32 run the C step"
     return loaded
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_loader_without_torch_gives_the_c_step_the_torch_loader_s_weights(zoo: dict[str, Path], arch: str,
+                                                                              qtype: Q) -> None:
+    """What the CPU worker loads (no torch) is, to the bit, what the torch decoder's C step reads."""
+    path = exported(zoo, arch, qtype)
+    ours, theirs = load_native(path).native, load_blocks(path).native
+    assert ours is not None and theirs is not None
+    assert ours.types == theirs.types
+    assert sorted(ours.weights) == sorted(theirs.weights)
+    for name, array in theirs.weights.items():
+        assert ours.weights[name].dtype == array.dtype, name
+        assert np.array_equal(ours.weights[name], array), name
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16], ids=lambda q: q.name)

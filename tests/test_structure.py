@@ -108,10 +108,10 @@ def test_the_http_and_cluster_layers_use_only_the_engine_s_face(layer: str) -> N
     assert reaches == []
 
 
-def test_the_http_layer_and_the_engine_shell_import_without_torch() -> None:
-    """On the way to a CPU worker that serves GGUF files on the C step without torch (whose import is
-    about a second of start-up and 190 MB): what serves requests and runs steps does not import it."""
-    code = ("import sys\nimport llorch.api.app, llorch.engine.engine, llorch.engine.core, llorch.engine.runner\n"
+def test_the_worker_programs_import_without_torch() -> None:
+    """The CPU worker serves GGUF files on the C step without torch (whose import is about a second of
+    start-up and 190 MB): the programs, the HTTP layer and the engine import it only where a path uses it."""
+    code = ("import sys\nimport llorch.workers, llorch.api.app, llorch.engine.factory, llorch.engine.core\n"
             "sys.exit(sorted(m for m in sys.modules if m == 'torch') or 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr or result.stdout

@@ -399,3 +399,18 @@ def test_openai_errors_list_every_violation_and_say_why(worker: Worker) -> None:
         assert "a tool message needs the tool_call_id it answers" in orphan["message"]
         shaped = chat(messages=[{"role": "user", "content": {"text": "Hi"}}])
         assert "content must be a string, a list of text parts or null, not dict" in shaped["message"]
+
+
+def test_the_cpu_worker_serves_a_gguf_file_without_torch(worker: Worker, client: Any, model_id: str) -> None:
+    """The C step's path imports no torch (about a second of start-up and 190 MB): not at start, not for
+    greedy or seeded sampling, log-probabilities, stops or a JSON schema's constrained output."""
+    greedy = client.completions.create(model=model_id, prompt="The capital of France is", max_tokens=8,
+                                       temperature=0, logprobs=2, stop=["\n\n"])
+    assert greedy.choices[0].logprobs.top_logprobs
+    sampled = client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=24, temperature=0.8,
+        seed=7, response_format={"type": "json_schema", "json_schema": {"name": "colour", "schema": {
+            "type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]}}})
+    assert "colour" in json.loads(sampled.choices[0].message.content)
+    with open(f"/proc/{worker.process.pid}/maps") as maps:
+        assert "libtorch" not in maps.read()

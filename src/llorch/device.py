@@ -1,7 +1,11 @@
-"""Backends -> torch devices, the start-up verification, and the residency guard.
+"""Backends -> devices, the start-up verification, and the residency guard.
 
 Each worker program is hard-wired to one backend. A backend that is missing is a
 one-line error and exit code 2: there is no fallback to another device.
+
+A device is named as torch names it ("cpu", "cuda:0"). The CPU backend needs no torch: its
+C step computes on numpy arrays, so torch is imported only by the backends and compute paths
+that use it (torch_device).
 """
 
 from __future__ import annotations
@@ -9,17 +13,31 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+import numpy as np
 
 from llorch.errors import BackendUnavailable, StartupError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    device: torch.device
+    device: str  # "cpu" or "cuda:N"
+
+
+def torch_device(device: str | torch.device) -> torch.device:
+    """torch's device for a compute path that uses torch, with torch's threads set to the worker's count."""
+    import torch
+
+    from llorch.kernels.build import threads
+
+    torch.set_num_threads(threads())
+    return torch.device(device)
 
 
 class ResidencyError(RuntimeError):
@@ -29,7 +47,9 @@ class ResidencyError(RuntimeError):
 def resolve_backend(name: str, cuda_index: int = 0) -> Backend:
     """The device of a backend, or BackendUnavailable saying in one line why there is none."""
     if name == "cpu":
-        return Backend("cpu", torch.device("cpu"))
+        return Backend("cpu", "cpu")
+    import torch
+
     if name == "cuda":
         if not torch.backends.cuda.is_built():
             raise BackendUnavailable("cuda backend unavailable: this torch build has no CUDA support")
@@ -40,7 +60,7 @@ def resolve_backend(name: str, cuda_index: int = 0) -> Backend:
             raise BackendUnavailable(
                 f"cuda backend unavailable: --cuda-device {cuda_index} is out of range ({count} GPU(s) visible)"
             )
-        return Backend("cuda", torch.device("cuda", cuda_index))
+        return Backend("cuda", f"cuda:{cuda_index}")
     if name == "accelerate":
         if sys.platform != "darwin":
             raise BackendUnavailable(
@@ -48,29 +68,34 @@ def resolve_backend(name: str, cuda_index: int = 0) -> Backend:
             )
         if not torch_uses_accelerate():
             raise BackendUnavailable("accelerate backend unavailable: this torch is not linked to Apple Accelerate")
-        return Backend("accelerate", torch.device("cpu"))
+        return Backend("accelerate", "cpu")
     raise ValueError(f"unknown backend {name!r}")
 
 
 def torch_uses_accelerate() -> bool:
     """True when torch's build configuration names Accelerate as its BLAS."""
+    import torch
+
     for part in torch.__config__.show().replace("\n", ",").split(","):
         if "BLAS_INFO" in part:
             return "accelerate" in part.lower()
     return False
 
 
-def verify_device(device: torch.device) -> None:
-    """Prove the device computes: a small matmul whose exact result we know."""
+def verify_device(device: str | torch.device) -> None:
+    """Prove the device computes: a small matmul whose exact result we know (numpy's on the CPU)."""
     try:
-        a = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
-        b = torch.ones(4, 2, dtype=torch.float32, device=device)
-        result = (a @ b).cpu()
+        if str(device) == "cpu":
+            result = (np.arange(12, dtype=np.float32).reshape(3, 4) @ np.ones((4, 2), dtype=np.float32)).tolist()
+        else:
+            import torch
+
+            a = torch.arange(12, dtype=torch.float32, device=device).reshape(3, 4)
+            result = (a @ torch.ones(4, 2, dtype=torch.float32, device=device)).cpu().tolist()
     except Exception as exc:  # any failure here means the device is unusable
         raise StartupError(f"device {device} failed its start-up check: {exc}") from exc
-    expected = torch.tensor([[6.0, 6.0], [22.0, 22.0], [38.0, 38.0]])
-    if not torch.equal(result, expected):
-        raise StartupError(f"device {device} failed its start-up check: wrong matmul result {result.tolist()}")
+    if result != [[6.0, 6.0], [22.0, 22.0], [38.0, 38.0]]:
+        raise StartupError(f"device {device} failed its start-up check: wrong matmul result {result}")
 
 
 def same_device(tensor_device: torch.device, device: torch.device) -> bool:

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 
-import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -186,8 +185,7 @@ def open_backend(settings: ServingSettings) -> Backend:
     Checked before anything else, so a missing backend fails at once (a Ray replica builds its
     engine through here too)."""
     backend = resolve_backend(settings.backend, settings.cuda_device)
-    torch.set_num_threads(settings.threads or physical_cores())
-    kernels.set_threads(settings.threads or physical_cores())
+    kernels.set_threads(settings.threads or physical_cores())  # torch's too, where a compute path uses torch
     verify_device(backend.device)
     return backend
 

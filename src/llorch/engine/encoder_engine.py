@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from llorch.device import torch_device
 from llorch.engine.config import PROBE_TEXT, EngineConfig, resolve_dtype
 from llorch.engine.encoder_core import EncoderCore, EncoderRunner
 from llorch.engine.engine import Engine
@@ -25,10 +26,11 @@ from llorch.weights.encoder_model import load_encoder
 log = logging.getLogger("llorch.engine")
 
 
-def encoder_engine(config: EngineConfig, path: Path, device: torch.device, telemetry: Telemetry) -> Engine:
+def encoder_engine(config: EngineConfig, path: Path, device: str | torch.device, telemetry: Telemetry) -> Engine:
     """An embedding or rerank model's engine: the encoder, its core, and a front door without chat or grammar."""
     if config.speculative not in (None, "off") or config.draft_model:
         raise StartupError(f"{path}: speculative decoding is for generation; this is an embedding or rerank model")
+    device = torch_device(device)
     dtype = resolve_dtype(config.dtype, device)
     loaded = (load_encoder(path, device, dtype, config.pooling) if path.is_dir()
               else load_gguf_encoder(path, device, dtype, config.pooling))

@@ -1,8 +1,8 @@
 """Building an engine: the one place a model runner and an engine are assembled from an EngineConfig.
 
-The policies that size them live here too: the compute dtype, whether GGUF weights
-stay quantized (which also decides the compute path: the C step for quantized CPU
-weights, torch otherwise), the KV pool's budget and the chat template. Before any of
+The policies that size them live here too: the compute path (the C step, loaded without
+torch, for GGUF files on the CPU in float32; torch otherwise), the compute dtype, whether
+GGUF weights stay quantized, the KV pool's budget and the chat template. Before any of
 that, the model proves it computes: a forward over a short text must give finite
 logits (a config.json can hold finite, valid-looking numbers, a rope_theta of 1e-300,
 that make every logit NaN).
@@ -14,13 +14,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from llorch.device import torch_device
 from llorch.engine.config import DEFAULT_CPU_KV_MB, DEFAULT_CUDA_KV_FRACTION, PROBE_TEXT, EngineConfig, resolve_dtype
 from llorch.engine.core import EngineCore
-from llorch.engine.draft import DraftSpeculation
 from llorch.engine.engine import Engine
 from llorch.engine.grammar import Grammars
 from llorch.engine.kv.blocks import BlockAllocator
@@ -36,24 +36,31 @@ from llorch.engine.views import EmbeddingShape
 from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
 from llorch.kernels.build import library as kernel_library
+from llorch.kernels.build import threads as kernel_threads
 from llorch.memory import release_freed_memory
-from llorch.models.native import NativeDecoder
-from llorch.models.step_batch import contiguous_step
+from llorch.models.step_layout import ChunkSlots, row_layout
 from llorch.weights.chat_families import family_for
 from llorch.weights.chat_template import ChatTemplate, ChatTemplateError
 from llorch.weights.default_model import default_model_path
-from llorch.weights.loader import LoadedModel, load_model, read_template_file
+from llorch.weights.model_source import LoadedModel
+from llorch.weights.native_loader import load_native
+from llorch.weights.template_files import read_template_file
 from llorch.weights.template_sandbox import shared_sandbox
 from llorch.weights.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from llorch.engine.draft import DraftSpeculation
 
 log = logging.getLogger("llorch.engine")
 
 PROBE_TOKENS = 16
 
 
-def keeps_quantized(config: EngineConfig, device: torch.device) -> bool:
+def keeps_quantized(config: EngineConfig, device: str) -> bool:
     """GGUF weights stay quantized for the CPU kernels, unless told otherwise or they cannot build here."""
-    if device.type != "cpu" or config.dequantize:
+    if device != "cpu" or config.dequantize:
         return False
     try:
         kernel_library()
@@ -63,15 +70,32 @@ def keeps_quantized(config: EngineConfig, device: torch.device) -> bool:
     return True
 
 
-def kv_pool_bytes(config: EngineConfig, model: LoadedModel, device: torch.device, ctx_size: int) -> int:
+def load_decoder(config: EngineConfig, path: Path, device: str, kind: str,
+                 progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+    """A GGUF file on the CPU in float32 computes in the C step and loads without torch; anything else
+    (a directory, CUDA, another dtype, dequantized weights, an embedding model's hidden states) with torch."""
+    c_step = not path.is_dir() and kind != "embed" and config.dtype in ("auto", "f32")
+    if c_step and keeps_quantized(config, device):
+        return load_native(path, progress)
+    from llorch.weights.loader import load_model
+
+    on = torch_device(device)
+    return load_model(path, on, resolve_dtype(config.dtype, on), progress=progress,
+                      keep_quantized=kind != "embed" and keeps_quantized(config, device),
+                      hidden_states=kind == "embed")  # hidden states come from torch: no kernels to build
+
+
+def kv_pool_bytes(config: EngineConfig, model: LoadedModel, device: str, ctx_size: int) -> int:
     """The KV pool's budget: the operator's, else a default for the device capped at max_running
     full contexts (plus the padding block)."""
     block = bytes_per_block(model.config, model.dtype)
     if config.kv_cache_bytes is not None:
         budget = config.kv_cache_bytes
     else:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
+        if device.startswith("cuda"):
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
             budget = int(free * DEFAULT_CUDA_KV_FRACTION)
         else:
             budget = DEFAULT_CPU_KV_MB * 2**20
@@ -80,6 +104,14 @@ def kv_pool_bytes(config: EngineConfig, model: LoadedModel, device: torch.device
         raise StartupError(f"--kv-cache-mb {budget / 2**20:g} is smaller than two KV blocks of this model "
                            f"({2 * block / 2**20:.2f} MB)")
     return budget
+
+
+def model_runner(loaded: LoadedModel, device: str, pool_bytes: int) -> ModelRunner:
+    """The C step's runner on host arrays where it computes the model, else torch's on `device`."""
+    native = loaded.native
+    if native is not None:
+        return ModelRunner(native, None, np.dtype(np.float32), pool_bytes)
+    return ModelRunner(loaded.model, torch_device(device), loaded.dtype, pool_bytes)
 
 
 def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
@@ -100,7 +132,25 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
         raise StartupError(f"{path or loaded.path}: {exc}") from exc
 
 
-def prove_finite_logits(loaded: LoadedModel, device: torch.device) -> None:
+def probe_logits(loaded: LoadedModel, ids: list[int], device: str) -> np.ndarray:
+    """Every row's logits (float32) of a forward over `ids` on a cache of its own."""
+    native = loaded.native
+    if native is not None:
+        cache = allocate_kv(loaded.config, len(ids), None, None)
+        layout = row_layout([ChunkSlots(0, len(ids), np.arange(len(ids), dtype=np.int64))])
+        return native.forward(ids, layout, [(layer.keys, layer.values) for layer in cache], kernel_threads())
+    import torch
+
+    from llorch.models.step_batch import contiguous_step
+
+    on = torch_device(device)
+    step = contiguous_step(loaded.config, 0, len(ids), on, last_only=False)
+    cache = allocate_kv(loaded.config, len(ids), loaded.dtype, on, zeroed=True)
+    with torch.inference_mode():
+        return loaded.model(torch.tensor(ids, dtype=torch.long, device=on), step, cache).float().cpu().numpy()
+
+
+def prove_finite_logits(loaded: LoadedModel, device: str) -> None:
     """A forward over PROBE_TEXT on a cache of its own; StartupError when any of its logits is NaN or infinite.
 
     A model whose numbers overflow would otherwise load, then sample from NaN and answer
@@ -109,16 +159,13 @@ def prove_finite_logits(loaded: LoadedModel, device: torch.device) -> None:
     ids = loaded.tokenizer.encode(PROBE_TEXT)[:PROBE_TOKENS]
     if not ids:
         return
-    step = contiguous_step(loaded.config, 0, len(ids), device, last_only=False)
-    cache = allocate_kv(loaded.config, len(ids), loaded.dtype, device, zeroed=True)
-    with torch.inference_mode():
-        logits = loaded.model(torch.tensor(ids, dtype=torch.long, device=device), step, cache).float()
-    finite = torch.isfinite(logits)
+    logits = probe_logits(loaded, ids, device)
+    finite = np.isfinite(logits)
     if bool(finite.all()):
         return
-    kinds = [name for name, found in (("NaN", torch.isnan(logits).any()), ("infinite", torch.isinf(logits).any()))
+    kinds = [name for name, found in (("NaN", np.isnan(logits).any()), ("infinite", np.isinf(logits).any()))
              if bool(found)]
-    first = int((~finite).any(dim=-1).nonzero()[0])
+    first = int(np.flatnonzero(~finite.all(axis=-1))[0])
     raise StartupError(f"{loaded.path}: the model computes {' and '.join(kinds)} logits on a test text of {len(ids)} "
                        f"tokens (from token {first} on): its weights or its configuration (rope_theta, rope_scaling, "
                        "a norm epsilon, the compute dtype) overflow; it cannot be served")
@@ -135,7 +182,7 @@ def check_speculative_flags(config: EngineConfig) -> None:
 def speculation_mode(config: EngineConfig, loaded: LoadedModel) -> str:
     """Speculative decoding is on by default where a row's logits have the same bits however its
     tokens are stepped (the C step): only there can verification never change a token."""
-    invariant = loaded.model.native is not None
+    invariant = loaded.native is not None
     if config.speculative is None:
         return "draft" if config.draft_model else "ngram" if invariant else "off"
     if config.speculative != "off" and not invariant:
@@ -145,12 +192,13 @@ def speculation_mode(config: EngineConfig, loaded: LoadedModel) -> str:
 
 
 def draft_speculation(config: EngineConfig, target: ModelRunner, tokenizer: Tokenizer,
-                      device: torch.device) -> DraftSpeculation:
+                      device: str) -> DraftSpeculation:
     """The draft model, proven to compute and to share the target's vocabulary, with a KV pool of as many
     tokens as the target's."""
+    from llorch.engine.draft import DraftSpeculation
+
     assert config.draft_model is not None
-    draft = load_model(config.draft_model, device, resolve_dtype(config.dtype, device),
-                       keep_quantized=keeps_quantized(config, device))
+    draft = load_decoder(config, Path(config.draft_model), device, "generate")
     ours, theirs = tokenizer.backend.get_vocab(), draft.tokenizer.backend.get_vocab()
     if ours != theirs:
         differing = len(set(ours.items()) ^ set(theirs.items()))
@@ -158,18 +206,17 @@ def draft_speculation(config: EngineConfig, target: ModelRunner, tokenizer: Toke
                            f"model's ({len(ours)} tokens; {differing} entries differ): its guesses would be other "
                            "tokens")
     prove_finite_logits(draft, device)
-    pool = target.kv.num_blocks * bytes_per_block(draft.config, draft.dtype)
-    runner = ModelRunner(draft.model, device, draft.dtype, pool)
+    runner = model_runner(draft, device, target.kv.num_blocks * bytes_per_block(draft.config, draft.dtype))
     log.info("draft model loaded", extra={"model": draft.name, "path": str(draft.path),
                                           "weights": "gguf blocks" if draft.quantized else "dense"})
     return DraftSpeculation(runner, target.config.vocab_size, config.speculative_tokens, SPECULATIVE_MAX_ROWS)
 
 
-def build_engine(config: EngineConfig, device: torch.device | None = None, *, loaded: LoadedModel | None = None,
+def build_engine(config: EngineConfig, device: str | torch.device = "cpu", *, loaded: LoadedModel | None = None,
                  telemetry: Telemetry | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Engine:
     """Load the model (unless `loaded` is given) and assemble its runner and engine, not yet started."""
-    device = device or torch.device("cpu")
+    device = str(device)
     check_speculative_flags(config)
     telemetry = telemetry or Telemetry()
     path = Path(config.model) if config.model else None
@@ -185,10 +232,7 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
     config = config.with_limits(kind)
     shared_sandbox().start()  # the chat template's render process starts while the model loads
     if loaded is None:
-        dtype = resolve_dtype(config.dtype, device)
-        loaded = load_model(path or default_model_path(), device, dtype, progress=progress,
-                            keep_quantized=kind != "embed" and keeps_quantized(config, device),
-                            hidden_states=kind == "embed")  # hidden states come from torch: no kernels to build
+        loaded = load_decoder(config, path or default_model_path(), device, kind, progress)
     prove_finite_logits(loaded, device)
     release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
     ctx_size = config.ctx_size or loaded.config.context_length
@@ -196,9 +240,7 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
         source = "--ctx-size" if config.ctx_size else "the model's context_length"
         raise StartupError(f"{source} {ctx_size} is outside 1..{loaded.config.context_length}")
     pool_bytes = kv_pool_bytes(config, loaded, device, ctx_size)
-    native = loaded.model.native
-    runner = (ModelRunner(native, None, np.dtype(np.float32), pool_bytes) if isinstance(native, NativeDecoder)
-              else ModelRunner(loaded.model, device, loaded.dtype, pool_bytes))
+    runner = model_runner(loaded, device, pool_bytes)
     speculative = speculation_mode(config, loaded)
     speculation = (draft_speculation(config, runner, loaded.tokenizer, device) if speculative == "draft"
                    else NgramSpeculation(config.speculative_tokens, SPECULATIVE_MAX_ROWS) if speculative == "ngram"
@@ -210,10 +252,10 @@ def build_engine(config: EngineConfig, device: torch.device | None = None, *, lo
                             else last_token_pool(normalize) if kind == "embed" else None, kind=kind,
                             embedding=EmbeddingShape(loaded.config.hidden_size, normalize) if kind == "embed" else None)
     dtype_name = str(loaded.dtype).removeprefix("torch.")
-    engine.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": str(device),
+    engine.telemetry.model.info({"model": loaded.name, "model_id": loaded.model_id, "device": device,
                                  "dtype": dtype_name, "kind": kind})
-    log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": str(device),
-                                    "dtype": dtype_name, "threads": torch.get_num_threads(), "kind": kind,
+    log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": device,
+                                    "dtype": dtype_name, "threads": kernel_threads(), "kind": kind,
                                     "weights": "gguf blocks" if loaded.quantized else "dense",
                                     "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes,
                                     "speculative": speculative, "speculative_tokens": config.speculative_tokens})

@@ -16,7 +16,7 @@ from llorch.engine.config import EngineConfig
 from llorch.errors import StartupError
 from llorch.models.encoder_config import ENCODER_ARCHITECTURES
 from llorch.weights.gguf import leading_architecture
-from llorch.weights.loader import LoadedModel
+from llorch.weights.model_source import LoadedModel
 
 log = logging.getLogger("llorch.engine")
 

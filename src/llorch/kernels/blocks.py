@@ -8,14 +8,16 @@ torch path and the tests use; the decoder's own C step calls the kernels directl
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
-from torch import Tensor
 
 from llorch.kernels.build import library
 from llorch.kernels.rows import address
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 ACT_BLOCK_BYTES = 40  # one quantized activation block: float scale, two int16 sums, 32 int8 values
 ACT_BLOCK = 32
@@ -54,6 +56,8 @@ def row_bytes(qtype: int, k: int) -> int:
 
 def quantize_activations(x: Tensor, lib: ctypes.CDLL | None = None) -> Tensor:
     """x [m, k] as the kernels quantize it, dequantized again (float32): what the integer dot multiplies."""
+    import torch
+
     x = x.float().contiguous()
     m, k = x.shape
     raw = torch.empty(m * k // ACT_BLOCK * ACT_BLOCK_BYTES, dtype=torch.uint8)
@@ -71,6 +75,8 @@ def dequantize_rows(weight: Tensor, qtype: int, k: int, ids: Tensor | None = Non
     Ids must be in range: the caller checks them (the kernel reads raw memory). `lib` picks
     a kernel variant (build.load_variant); the default is the one this worker uses.
     """
+    import torch
+
     lib = lib or library()
     rows = range(weight.shape[0]) if ids is None else ids.tolist()
     out = torch.empty(len(rows), k, dtype=torch.float32)
@@ -82,6 +88,8 @@ def dequantize_rows(weight: Tensor, qtype: int, k: int, ids: Tensor | None = Non
 def matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None) -> Tensor:
     """x [m, k] (float32) @ W.T for the GGUF-typed W [n, row_bytes], in float32 (block types
     quantize x to int8 blocks of 32 first, see csrc/matmul.c)."""
+    import torch
+
     x = x.float().contiguous()
     m, k = x.shape
     n = weight.shape[0]

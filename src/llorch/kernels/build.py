@@ -160,8 +160,6 @@ _SIGNATURES = {
 @functools.cache
 def load_variant(name: str) -> ctypes.CDLL:
     """One variant's library (built on first use); KernelUnavailable says why not."""
-    import torch  # noqa: F401  -- torch's OpenMP runtime must be loaded first so the kernels share it
-
     variant = next((v for v in runnable_variants() if v.name == name), None)
     if variant is None:
         raise KernelUnavailable(f"the {name} kernels do not run on this CPU")

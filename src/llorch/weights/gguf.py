@@ -295,17 +295,32 @@ class GGUFFile:
         infos = [self.tensors[name] for name in targets]
         return TensorRead(self.path, list(targets), [info.offset for info in infos], list(targets.values()))
 
-    def dequantize(self, name: str) -> torch.Tensor:
-        """The tensor as float32 in its torch shape (the header and the raw blocks need no torch)."""
-        import torch
-
+    def _supported_raw(self, name: str) -> np.ndarray:
         info = self.tensors[name]
         if info.qtype not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
             raise ModelFileError(
                 self.path, f"tensor {name} has type {info.qtype.name}, which is not supported (supported: {supported})"
             )
-        raw = self.raw(name)
+        return self.raw(name)
+
+    def dequantize_array(self, name: str) -> np.ndarray:
+        """The tensor as float32 numpy in its torch shape: for the norms and biases of the C step, which
+        needs no torch (the float types convert exactly; gguf's dequantizers read the block types)."""
+        info, raw = self.tensors[name], self._supported_raw(name)
+        if info.qtype in _PLAIN_DTYPES:
+            values = raw.view(_PLAIN_DTYPES[info.qtype]).astype(np.float32)
+        elif info.qtype == GGMLQuantizationType.BF16:
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = gguf_dequantize(raw, info.qtype)
+        return values.reshape(info.shape)
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """The tensor as float32 torch in its torch shape (the header and the raw blocks need no torch)."""
+        import torch
+
+        info, raw = self.tensors[name], self._supported_raw(name)
         if info.qtype in _PLAIN_DTYPES:
             values = torch.from_numpy(raw.view(_PLAIN_DTYPES[info.qtype]).copy()).float()
         elif info.qtype == GGMLQuantizationType.BF16:

@@ -12,21 +12,24 @@ numbers a Hugging Face checkpoint would give it (modulo quantization):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from llorch.errors import ModelFileError
 from llorch.kernels.blocks import NATIVE_TYPES, repacked
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from llorch.models.quantized import TYPE_SUFFIX
 from llorch.weights import limits
 from llorch.weights.arena import WeightArena, arena_bytes
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.limits import bounded_int, finite_float
+
+if TYPE_CHECKING:
+    import torch
 
 # Gemma 3 conventions llama.cpp hard-codes instead of storing: every sixth layer is
 # global, the others slide; sliding layers use RoPE base 10000.
@@ -50,9 +53,6 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 
-# A tensor transform: the dequantized GGUF tensor -> {our name: tensor}.
-# An array (a torch tensor, or the numpy rows of a matrix kept in its file's blocks) -> our entries.
-Split = Callable[[Any], dict[str, Any]]
 
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
@@ -170,21 +170,41 @@ def unpermute_rows(weight: Any, heads: int) -> Any:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _split_rows(names: list[str], sizes: list[int]) -> Split:
-    def split(tensor: Any) -> dict[str, Any]:
-        if tensor.shape[0] != sum(sizes):
-            raise ValueError(f"fused tensor has {tensor.shape[0]} rows, the config implies {sum(sizes)}")
-        starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        return {name: tensor[starts[i] : starts[i + 1]] for i, name in enumerate(names)}
+@dataclass(frozen=True)
+class Split:
+    """How one GGUF tensor becomes our entries: whole under one name, its rows un-permuted when llama.cpp
+    permuted them by `permuted_heads`; or, with `rows`, cut into consecutive parts of that many rows
+    (Phi-3's fused projections). It applies to torch tensors and numpy arrays alike, to values and to a
+    matrix's raw block rows (it only selects and reorders rows)."""
 
-    return split
+    names: tuple[str, ...]
+    rows: tuple[int, ...] = ()
+    permuted_heads: int | None = None
+
+    def shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """The entries' shapes for a tensor of `shape`: ValueError when a fused tensor's rows do not add up."""
+        if not self.rows:
+            return {self.names[0]: tuple(shape)}
+        if shape[0] != sum(self.rows):
+            raise ValueError(f"fused tensor has {shape[0]} rows, the config implies {sum(self.rows)}")
+        return {name: (rows, *shape[1:]) for name, rows in zip(self.names, self.rows, strict=True)}
+
+    def __call__(self, tensor: Any) -> dict[str, Any]:
+        self.shapes(tuple(tensor.shape))
+        if not self.rows:
+            whole = tensor if self.permuted_heads is None else unpermute_rows(tensor, self.permuted_heads)
+            return {self.names[0]: whole}
+        ends = list(itertools.accumulate(self.rows))
+        return {name: tensor[end - rows : end] for name, rows, end in zip(self.names, self.rows, ends, strict=True)}
+
+
+def _split_rows(names: list[str], sizes: list[int]) -> Split:
+    return Split(tuple(names), tuple(sizes))
 
 
 def _as(name: str, permuted_heads: int | None = None) -> Split:
     """The tensor under our `name`, its rows un-permuted when llama.cpp permuted them."""
-    if permuted_heads is None:
-        return lambda tensor: {name: tensor}
-    return lambda tensor: {name: unpermute_rows(tensor, permuted_heads)}
+    return Split((name,), permuted_heads=permuted_heads)
 
 
 def gguf_tensor_plan(config: ModelConfig, present: Collection[str]) -> Iterator[tuple[str, Split]]:
@@ -234,40 +254,34 @@ def gguf_tensor_plan(config: ModelConfig, present: Collection[str]) -> Iterator[
 
 def planned_shapes(gguf: GGUFFile, config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our state dict's names and shapes as the file's header describes them, read from the header
-    alone (the splits run on meta tensors): compared with the config before any tensor is read."""
+    alone: compared with the config before any tensor is read."""
     shapes: dict[str, tuple[int, ...]] = {}
     for gguf_name, split in gguf_tensor_plan(config, gguf.tensors):
         info = gguf.tensors.get(gguf_name)
         if info is None:
             raise ModelFileError(gguf.path, f"tensor {gguf_name} is missing")
         try:
-            parts = split(torch.empty(info.shape, dtype=torch.uint8, device="meta"))
-        except (ValueError, RuntimeError) as exc:  # a fused tensor of the wrong size
+            shapes.update(split.shapes(tuple(info.shape)))
+        except ValueError as exc:  # a fused tensor of the wrong size
             raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
-        shapes.update((ours, tuple(part.shape)) for ours, part in parts.items())
     return shapes
 
 
-def compute_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A weight in the compute dtype; norm weights stay float32 (RMSNorm computes in float32)."""
-    return tensor.float() if name.endswith("norm.weight") else tensor.to(dtype)
-
-
-def state_dict_from_gguf(
+def read_gguf_weights(
     gguf: GGUFFile,
     config: ModelConfig,
-    dtype: torch.dtype,
+    dequantize: Callable[[str], Any],
     progress: Callable[[int, int], None] | None = None,
     keep_quantized: bool = False,
-) -> Callable[[], dict[str, torch.Tensor]]:
-    """Starts reading the weights; returns what waits for them and gives our state dict, in
-    `dtype` (norms stay float32). The caller parses the tokenizer in between.
+) -> Callable[[], tuple[dict[str, Any], dict[str, int]]]:
+    """Starts reading the weights; returns what waits for them and gives our entries with the layout of
+    each matrix kept in blocks. The caller parses the tokenizer in between.
 
-    With `keep_quantized`, every matrix stays in the file's own type and layout: "<name>.weight"
-    holds its rows' bytes [rows, row_bytes], read on a thread of their own (weights.tensor_read)
-    into one huge-page arena (weights.arena), and "<name>.weight_type" its GGUF type (see
-    models.quantized), or the interleaved layout of that type the kernels read fastest on this
-    CPU (kernels.blocks.repacked); otherwise every tensor is dequantized.
+    With `keep_quantized`, every matrix stays in the file's own type and layout: its entry holds its
+    rows' bytes [rows, row_bytes] (numpy), read on a thread of their own (weights.tensor_read) into one
+    huge-page arena (weights.arena), and its layout is its GGUF type or the interleaved layout of that
+    type the kernels read fastest on this CPU (kernels.blocks.repacked). Every other tensor is what
+    `dequantize(name)` gives (a float32 torch tensor or numpy array).
     """
     plan = list(gguf_tensor_plan(config, gguf.tensors))
     missing = [name for name, _ in plan if name not in gguf.tensors]
@@ -282,34 +296,67 @@ def state_dict_from_gguf(
             matrices[name] = arena.take((info.shape[0], info.nbytes // info.shape[0]))
     reading = gguf.start_reading(matrices) if matrices else None
 
-    def finish() -> dict[str, torch.Tensor]:
+    def finish() -> tuple[dict[str, Any], dict[str, int]]:
         if reading is not None:
             reading.wait()
-        state: dict[str, torch.Tensor] = {}
+        entries: dict[str, Any] = {}
+        layouts: dict[str, int] = {}
         for done, (gguf_name, split) in enumerate(plan, start=1):
             try:
                 if gguf_name in matrices:
                     rows, info = matrices[gguf_name], gguf.tensors[gguf_name]
-                    # The splits only select and reorder rows, so they apply to the raw rows as to values:
-                    # a selection is a view of the arena's rows; a reordering (a copy of the same shape)
+                    # A selection is a view of the arena's rows; a reordering (a copy of the same shape)
                     # is written back over them.
                     for ours, part in split(rows).items():
                         if not np.may_share_memory(part, rows):  # a reordering made a copy
                             rows[...] = part
                             part = rows
-                        layout = repacked(part, int(info.qtype), info.shape[1])
-                        state[ours] = torch.from_numpy(part)
-                        state[f"{ours}{TYPE_SUFFIX}"] = torch.tensor(layout, dtype=torch.int32)
+                        layouts[ours] = repacked(part, int(info.qtype), info.shape[1])
+                        entries[ours] = part
                 else:
-                    for ours, tensor in split(gguf.dequantize(gguf_name)).items():
-                        state[ours] = compute_tensor(ours, tensor, dtype)
+                    entries.update(split(dequantize(gguf_name)))
             except (ValueError, RuntimeError) as exc:  # a fused tensor of the wrong size
                 raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
             if progress is not None:
                 progress(done, len(plan))
-        return state
+        return entries, layouts
 
     return finish
+
+
+def compute_tensor(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight in the compute dtype; norm weights stay float32 (RMSNorm computes in float32)."""
+    return tensor.float() if name.endswith("norm.weight") else tensor.to(dtype)
+
+
+def state_dict_from_gguf(
+    gguf: GGUFFile,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
+    keep_quantized: bool = False,
+) -> Callable[[], dict[str, torch.Tensor]]:
+    """read_gguf_weights for the torch decoder: a call that gives its state dict, in `dtype` (norms stay
+    float32); a matrix kept in blocks is "<name>.weight" (uint8 rows, shared with the arena) beside
+    "<name>.weight_type", its layout (see models.quantized)."""
+    import torch
+
+    from llorch.models.quantized import TYPE_SUFFIX
+
+    finish = read_gguf_weights(gguf, config, gguf.dequantize, progress, keep_quantized)
+
+    def state() -> dict[str, torch.Tensor]:
+        entries, layouts = finish()
+        converted: dict[str, torch.Tensor] = {}
+        for name, value in entries.items():
+            if name in layouts:
+                converted[name] = torch.from_numpy(value)
+                converted[f"{name}{TYPE_SUFFIX}"] = torch.tensor(layouts[name], dtype=torch.int32)
+            else:
+                converted[name] = compute_tensor(name, value, dtype)
+        return converted
+
+    return state
 
 
 def _matrix(gguf: GGUFFile, name: str) -> bool:

@@ -30,6 +30,7 @@ from llorch.weights.gguf_model import compute_tensor
 from llorch.weights.limits import (
     MAX_SAFETENSORS_HEADER_BYTES,
     MAX_TENSORS,
+    PICKLE_SUFFIXES,
     bounded_int,
     finite_float,
     require_regular_file,
@@ -45,7 +46,6 @@ HF_MODEL_TYPES = {
     "phi3": "phi3",
     "gemma3_text": "gemma3",
 }
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GEMMA3_DEFAULT_SLIDING_PATTERN = 6

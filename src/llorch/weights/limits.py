@@ -25,6 +25,8 @@ MAX_CONTEXT = 1 << 24  # 16M positions
 MAX_TOKEN_CHARS = 1024  # one vocabulary entry; real ones stay under 300
 MAX_NAME_CHARS = 256  # a model's display name: sent in every `started` event and /health
 MAX_TEMPLATE_CHARS = 1 << 20  # a chat template; real ones stay under 100k
+# Checkpoint files of pickled objects, refused by name: loading one can run code.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # What one file may hold, checked before its contents become objects. A dense model needs
 # about a dozen tensors per layer; llama.cpp's byte-level vocabularies ship about two merges per token.
