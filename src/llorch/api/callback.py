@@ -6,13 +6,13 @@ import asyncio
 import logging
 import time
 
-import httpx
-
 log = logging.getLogger("llorch.callback")
 
 
 async def send_ready(url: str, payload: dict[str, object], deadline_s: float, first_delay_s: float = 0.25) -> bool:
     """POST `payload` to `url` until a 2xx answer, with exponential backoff for at most `deadline_s`."""
+    import httpx  # here, not at start-up: a worker told of no callback never needs it (~50 ms of imports)
+
     give_up = time.monotonic() + deadline_s
     delay = first_delay_s
     attempt = 0
