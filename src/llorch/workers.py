@@ -39,6 +39,7 @@ from llorch.errors import StartupError
 from llorch.host import physical_cores
 from llorch.kernels import build as kernels
 from llorch.logs import setup_logging
+from llorch.memory import return_large_blocks
 from llorch.models.encoder_config import POOLINGS
 from llorch.settings import ServingSettings
 
@@ -184,6 +185,7 @@ def open_backend(settings: ServingSettings) -> Backend:
 
     Checked before anything else, so a missing backend fails at once (a Ray replica builds its
     engine through here too)."""
+    return_large_blocks()  # before anything large is allocated
     backend = resolve_backend(settings.backend, settings.cuda_device)
     kernels.set_threads(settings.threads or physical_cores())  # torch's too, where a compute path uses torch
     verify_device(backend.device)
