@@ -181,3 +181,27 @@ def test_the_cpu_worker_serves_gguf_blocks_and_dequantize_gives_float_weights(wo
         stop_worker(dense)
     assert quantized_bytes < 1_000_000_000
     assert os.path.getsize(model_path) < quantized_bytes  # the file's tensors plus the KV pool
+
+
+def test_without_kernels_a_gguf_file_is_served_dequantized_by_torch(zoo: dict[str, Path],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine whose kernels cannot build (no compiler) still serves the file: dequantized, on torch,
+    giving the torch decoder's tokens."""
+    from conftest import exported
+    from llorch.engine import factory
+    from llorch.engine.config import EngineConfig
+    from llorch.kernels.build import KernelUnavailable
+    from model_zoo import Q
+
+    def unavailable(*_args: object) -> object:
+        raise KernelUnavailable("no C compiler ('cc' is not on PATH; set CC)")
+
+    path = exported(zoo, "llama", Q.Q8_0)
+    monkeypatch.setattr(factory, "load_native", unavailable)
+    monkeypatch.setattr(factory, "kernel_library", unavailable)
+    engine = factory.build_engine(EngineConfig(model=str(path), ctx_size=64))
+    model = engine.runner.model
+    assert isinstance(model, torch.nn.Module)
+    assert not any(isinstance(m, GGUFLinear | GGUFEmbedding) for m in model.modules())
+    reference = load_model(path, torch.device("cpu"), torch.float32).model.state_dict()
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in model.state_dict().items())

@@ -187,6 +187,8 @@ def open_backend(settings: ServingSettings) -> Backend:
     engine through here too)."""
     return_large_blocks()  # before anything large is allocated
     backend = resolve_backend(settings.backend, settings.cuda_device)
+    if backend.device == "cpu":
+        kernels.start_building()  # the C kernels, while the server binds and the model's files are read
     kernels.set_threads(settings.threads or physical_cores())  # torch's too, where a compute path uses torch
     verify_device(backend.device)
     return backend

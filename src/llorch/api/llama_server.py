@@ -48,7 +48,9 @@ def documented(ok: str, content: dict[str, Any], errors: dict[int, str]) -> dict
 
 COMPLETION_RESPONSES = documented(
     "The completion, or its chunks as `data:` lines when stream is true",
-    {**_OBJECT, "text/event-stream": {"schema": {"type": "string"}}},
+    # Each server-sent event, as a client reads it: a `data:` line of JSON text.
+    {**_OBJECT, "text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                 "properties": {"data": {"type": "string"}}}}},
     {**_BODY_ERRORS, 500: "Generation failed", 503: "Loading, draining, busy or out of memory"})
 TEMPLATE_RESPONSES = documented("The rendered prompt", _OBJECT, {**_BODY_ERRORS, 503: "Loading"})
 PROPS_RESPONSES = documented("The server's properties", _OBJECT, {401: "Missing or wrong API key", 503: "Loading"})

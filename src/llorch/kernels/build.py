@@ -19,6 +19,7 @@ directory, keyed by the sources, the compiler and the flags; a warm start only l
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -28,6 +29,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,13 +128,25 @@ def build_library(variant: Variant) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: workers starting together never load half a file.
+    # Build beside the target and rename: workers starting together never load half a file. Each
+    # source compiles in a compiler process of its own, as many at once as there are cores.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         output = Path(scratch) / target.name
-        result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(output), "-lm"],
-                                capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        compile_flags = [flag for flag in flags if flag != "-shared"]
+
+        def compile_one(source: Path) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([compiler, *compile_flags, "-c", str(source), "-o", f"{scratch}/{source.stem}.o"],
+                                  capture_output=True, text=True, timeout=600)
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            results = list(pool.map(compile_one, sources))
+        if all(result.returncode == 0 for result in results):
+            objects = [f"{scratch}/{source.stem}.o" for source in sources]
+            results = [subprocess.run([compiler, *flags, *objects, "-o", str(output), "-lm"],
+                                      capture_output=True, text=True, timeout=600)]
+        failed = next((result for result in results if result.returncode != 0), None)
+        if failed is not None:
+            last = (failed.stderr.strip().splitlines() or ["no output"])[-1]
             raise KernelUnavailable(f"building the C kernels ({variant.name}) failed: {last}")
         os.replace(output, target)
     return target
@@ -187,9 +202,25 @@ def threads() -> int:
     return _threads or physical_cores()
 
 
+_building = threading.Lock()  # one build at a time: a caller waits for the one under way, then finds it cached
+
+
 def library() -> ctypes.CDLL:
     """The kernels this worker uses: the best variant for this CPU (or LLORCH_KERNELS's)."""
-    return _library_for(os.environ.get("LLORCH_KERNELS"))
+    with _building:
+        return _library_for(os.environ.get("LLORCH_KERNELS"))
+
+
+def start_building() -> None:
+    """Build (or find) the library on a thread of its own: a first start compiles for about 6 s, in a
+    compiler process that runs beside the imports and the model's conversion. library() waits for it;
+    a failure is raised there again, to the caller that decides what it means."""
+
+    def build() -> None:
+        with contextlib.suppress(KernelUnavailable):
+            library()
+
+    threading.Thread(target=build, name="llorch-kernels", daemon=True).start()
 
 
 @functools.cache  # asked for on every engine step: choosing again each time cost ~10 us

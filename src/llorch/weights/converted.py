@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,10 @@ class ConversionCache:
             "tokenizer": {"bos": tok.bos_token_id, "eos": sorted(tok.eos_token_ids),
                           "special": sorted(tok.special_ids), "bytes": sorted(tok.byte_token_ids)},
         }
-        # The tokenizer first: meta.json is what marks the entry as present.
-        self._write("tokenizer.json", lambda path: save_tokenizer(tok.backend, path))
+        # The tokenizer first: meta.json is what marks the entry as present. Serializing a 262k
+        # vocabulary takes most of a second; the tokenizer cache's file of it is copied instead.
+        if tok.saved is not None and tok.saved.is_file():
+            self._write("tokenizer.json", lambda path: shutil.copyfile(tok.saved, path))
+        else:
+            self._write("tokenizer.json", lambda path: save_tokenizer(tok.backend, path))
         self._write("meta.json", lambda path: path.write_text(json.dumps(document), encoding="utf-8"))

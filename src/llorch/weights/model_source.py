@@ -20,6 +20,7 @@ from llorch.errors import ModelFileError
 from llorch.kernels.blocks import file_type, row_bytes
 from llorch.memory import release_freed_memory
 from llorch.models.config import ModelConfig
+from llorch.models.native import NativeDecoder
 from llorch.models.weight_shapes import decoder_weight_shapes
 from llorch.weights.converted import ConversionCache, ConvertedMeta, file_sha256, known_digest
 from llorch.weights.gguf import GGUFFile
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     import torch
 
     from llorch.models.decoder import Decoder
-    from llorch.models.native import NativeDecoder
 
 log = logging.getLogger("llorch.weights")
 Weights = TypeVar("Weights")
@@ -57,8 +57,6 @@ class LoadedModel:
     @property
     def native(self) -> NativeDecoder | None:
         """What the C step runs, where it computes this model."""
-        from llorch.models.native import NativeDecoder
-
         return self.model if isinstance(self.model, NativeDecoder) else self.model.native
 
     @property

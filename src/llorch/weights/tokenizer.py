@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,7 @@ class Tokenizer:
     eos_token_ids: frozenset[int]
     special_ids: frozenset[int]
     byte_token_ids: frozenset[int] = frozenset()  # byte-fallback tokens (<0x00>..<0xFF>)
+    saved: Path | None = None  # a file holding the backend as save_tokenizer wrote it: copied, not serialized again
 
     @classmethod
     def around(cls, backend: HFTokenizer, bos_token_id: int | None, eos_token_ids: set[int]) -> Tokenizer:
@@ -210,7 +211,8 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
     # Gemma ends a chat turn with <end_of_turn>; llama.cpp treats it as end of generation too.
     if architecture.startswith("gemma") and "<end_of_turn>" in tokens:
         eos_ids.add(tokens.index("<end_of_turn>"))
-    return Tokenizer.around(backend, int(bos) if bos is not None else None, eos_ids)
+    tokenizer = Tokenizer.around(backend, int(bos) if bos is not None else None, eos_ids)
+    return replace(tokenizer, saved=cached)
 
 
 def check_vocabulary(tokens: Any, source: Path) -> None:
