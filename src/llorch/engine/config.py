@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-DTYPES = ("f32", "bf16", "f16")  # --dtype's choices besides auto (torch's float32, bfloat16, float16)
+TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}  # --dtype's choices besides auto
+DTYPES = tuple(TORCH_DTYPES)
 DEFAULT_CPU_KV_MB = 512
 DEFAULT_CUDA_KV_FRACTION = 0.5
 SPECULATIVE_MODES = ("ngram", "draft", "off")
@@ -70,7 +71,7 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     import torch
 
     if choice != "auto":
-        return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[choice]
+        return getattr(torch, TORCH_DTYPES[choice])
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     # float32 on every CPU, measured rather than inferred from a flag: the int8 kernels compute in

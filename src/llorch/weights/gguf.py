@@ -317,7 +317,10 @@ class GGUFFile:
         return values.reshape(info.shape)
 
     def dequantize(self, name: str) -> torch.Tensor:
-        """The tensor as float32 torch in its torch shape (the header and the raw blocks need no torch)."""
+        """The tensor as float32 torch in its torch shape (the header and the raw blocks need no torch).
+
+        Not dequantize_array's values wrapped: this one converts whole dense matrices (--dequantize,
+        CUDA), where torch's conversions run on every core and numpy's on one."""
         import torch
 
         info, raw = self.tensors[name], self._supported_raw(name)

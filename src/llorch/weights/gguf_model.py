@@ -198,10 +198,6 @@ class Split:
         return {name: tensor[end - rows : end] for name, rows, end in zip(self.names, self.rows, ends, strict=True)}
 
 
-def _split_rows(names: list[str], sizes: list[int]) -> Split:
-    return Split(tuple(names), tuple(sizes))
-
-
 def _as(name: str, permuted_heads: int | None = None) -> Split:
     """The tensor under our `name`, its rows un-permuted when llama.cpp permuted them."""
     return Split((name,), permuted_heads=permuted_heads)
@@ -225,14 +221,14 @@ def gguf_tensor_plan(config: ModelConfig, present: Collection[str]) -> Iterator[
     for i in range(cfg.num_layers):
         blk, ours = f"blk.{i}", f"layers.{i}"
         if f"{blk}.attn_qkv.weight" in present:  # Phi-3
-            names = [f"{ours}.self_attn.{p}_proj.weight" for p in "qkv"]
-            yield f"{blk}.attn_qkv.weight", _split_rows(names, [q_rows, kv_rows, kv_rows])
+            names = tuple(f"{ours}.self_attn.{p}_proj.weight" for p in "qkv")
+            yield f"{blk}.attn_qkv.weight", Split(names, (q_rows, kv_rows, kv_rows))
             fused = {"attn_q", "attn_k", "attn_v"}
         else:
             fused = set()
         if f"{blk}.ffn_gate.weight" not in present and cfg.architecture == "phi3":
-            names = [f"{ours}.mlp.gate_proj.weight", f"{ours}.mlp.up_proj.weight"]
-            yield f"{blk}.ffn_up.weight", _split_rows(names, [cfg.intermediate_size] * 2)
+            names = (f"{ours}.mlp.gate_proj.weight", f"{ours}.mlp.up_proj.weight")
+            yield f"{blk}.ffn_up.weight", Split(names, (cfg.intermediate_size,) * 2)
             fused |= {"ffn_gate", "ffn_up"}
         for suffix, module in _LAYER_TENSORS.items():
             if suffix in fused:
