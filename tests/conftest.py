@@ -9,6 +9,7 @@ git-ignored .llorch-test.toml), in which case it fails instead.
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import shutil
 import subprocess
@@ -16,7 +17,9 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import openai
 import pytest
 import torch
@@ -37,6 +40,7 @@ from llorch.models.step_batch import contiguous_step
 from llorch.models.step_layout import LayerKV
 from llorch.weights.default_model import default_model_path
 from llorch.weights.loader import LoadedModel, load_model
+from llorch.weights.tokenizer import tokenizer_from_gguf
 
 __all__ = ["Worker", "free_port", "start_worker", "stop_worker"]  # the shared launcher, for the test modules
 
@@ -103,6 +107,32 @@ def reference(model_path: Path) -> Reference:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path.parent, **kwargs)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_path.parent, dtype=torch.float32, **kwargs)
     return Reference(model=model.eval(), tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_vocab() -> tuple[object, Any]:
+    """A Llama-2-style SentencePiece BPE (dummy prefix, byte fallback) trained here, and ours
+    built from the same vocabulary as a GGUF file carries it."""
+    spm = pytest.importorskip("sentencepiece")
+    from model_zoo import CORPUS
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS * 20), model_writer=proto, vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, add_dummy_prefix=True, remove_extra_whitespaces=False,
+        split_digits=True, allow_whitespace_only_pieces=True, normalization_rule_name="identity", minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    ids = range(sp.vocab_size())
+    kinds = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1 for i in ids]
+    metadata = {
+        "general.architecture": "llama", "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in ids],
+        "tokenizer.ggml.scores": np.array([sp.get_score(i) for i in ids], dtype=np.float32),
+        "tokenizer.ggml.token_type": np.array(kinds), "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(), "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+    }
+    return sp, tokenizer_from_gguf(metadata, Path("spm.gguf"))
 
 
 # llama.cpp's mean KL divergence against the default model's file dequantized in float32,

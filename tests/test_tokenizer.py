@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -111,32 +109,6 @@ def test_tokenizer_json_of_an_spm_vocab_matches_reference(
     assert ids == expected
     assert spm_from_tokenizer_json.decode(ids) == reference.tokenizer.decode(expected, skip_special_tokens=True)
     assert spm_from_tokenizer_json.decode(ids, skip_special=False) == reference.tokenizer.decode(expected)
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_vocab() -> tuple[object, Tokenizer]:
-    """A Llama-2-style SentencePiece BPE (dummy prefix, byte fallback) trained here, and ours
-    built from the same vocabulary as a GGUF file carries it."""
-    spm = pytest.importorskip("sentencepiece")
-    from model_zoo import CORPUS
-
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 20), model_writer=proto, vocab_size=400, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, add_dummy_prefix=True, remove_extra_whitespaces=False,
-        split_digits=True, allow_whitespace_only_pieces=True, normalization_rule_name="identity", minloglevel=2,
-    )
-    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
-    ids = range(sp.vocab_size())
-    kinds = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1 for i in ids]
-    metadata = {
-        "general.architecture": "llama", "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in ids],
-        "tokenizer.ggml.scores": np.array([sp.get_score(i) for i in ids], dtype=np.float32),
-        "tokenizer.ggml.token_type": np.array(kinds), "tokenizer.ggml.bos_token_id": sp.bos_id(),
-        "tokenizer.ggml.eos_token_id": sp.eos_id(), "tokenizer.ggml.unknown_token_id": sp.unk_id(),
-    }
-    return sp, tokenizer_from_gguf(metadata, Path("spm.gguf"))
 
 
 @pytest.mark.cpu

@@ -32,10 +32,11 @@ from llorch.weights.limits import (
     MAX_VOCAB,
     require_regular_file,
 )
+from llorch.weights.native_tokenizer import NativeSpm, SpmTables, spm_tables, tables_beside
 from llorch.weights.tokenizer_file import save_tokenizer
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
-CONVERTER_VERSION = 4  # 4: merges saved as strings (tokenizer_file)
+CONVERTER_VERSION = 5  # 4: merges saved as strings (tokenizer_file); 5: the C tokenizer's tables beside
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte-fallback tokens
 
@@ -87,7 +88,7 @@ _NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit)
 class Tokenizer:
     """Text <-> token ids for one model, with the ids generation cares about."""
 
-    backend: HFTokenizer
+    backend: HFTokenizer | NativeSpm
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
     special_ids: frozenset[int]
@@ -105,6 +106,11 @@ class Tokenizer:
             special_ids=frozenset(i for i, token in added.items() if token.special),
             byte_token_ids=frozenset(i for t, i in backend.get_vocab().items() if BYTE_TOKEN.fullmatch(t)),
         )
+
+    @property
+    def library(self) -> HFTokenizer:
+        """The `tokenizers` object itself (behind the C tokenizer, parsed from its cached JSON on first use)."""
+        return self.backend.library_tokenizer if isinstance(self.backend, NativeSpm) else self.backend
 
     def has_token(self, text: str) -> bool:
         """Whether `text` is one token of the vocabulary (asked of the backend: building its whole
@@ -141,10 +147,11 @@ class Tokenizer:
         """An embedding input, or a (query, document) pair, with the model's special tokens and segment ids:
         (ids, type ids, the length before any cut). With a `limit`, the text (a pair's document) is cut so that
         the whole, special tokens included, fits it, as sentence-transformers cuts."""
+        library = self.library
         try:
-            first = self.backend.encode(text, add_special_tokens=False)
-            second = self.backend.encode(pair, add_special_tokens=False) if pair is not None else None
-            specials = self.backend.num_special_tokens_to_add(is_pair=second is not None)
+            first = library.encode(text, add_special_tokens=False)
+            second = library.encode(pair, add_special_tokens=False) if pair is not None else None
+            specials = library.num_special_tokens_to_add(is_pair=second is not None)
             length = len(first.ids) + (len(second.ids) if second is not None else 0) + specials
             if limit is not None and length > limit:
                 cut = second if second is not None else first
@@ -152,7 +159,7 @@ class Tokenizer:
                 if room < 0:
                     raise TokenizationError(f"the query alone is longer than the {limit} tokens a pair may have")
                 cut.truncate(room)
-            whole = self.backend.post_process(first, second, add_special_tokens=True)
+            whole = library.post_process(first, second, add_special_tokens=True)
         except _NOT_FAILURES:
             raise
         except TokenizationError:
@@ -189,21 +196,25 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
 
     key = _vocab_key(metadata, tokens, token_types, architecture)
     cached = cache_dir() / "tokenizers" / f"{key}.json"
-    backend = None
-    if cached.is_file():
+    # The C tokenizer's tables, for a SentencePiece vocabulary it reproduces, are saved beside the JSON.
+    backend: HFTokenizer | NativeSpm | None = NativeSpm.load(cached) if cached.is_file() else None
+    if backend is None and cached.is_file():
         try:
             backend = HFTokenizer.from_file(str(cached))
         except Exception:  # a damaged cache entry is rebuilt, never trusted
             backend = None
     if backend is None:
+        native = None
         if kind == "gpt2":
             backend = _build_byte_level_bpe(tokens, token_types, metadata, source)
         else:
-            backend = _build_spm_bpe(tokens, token_types, metadata, architecture)
+            backend, native = _build_spm_bpe(tokens, token_types, metadata, architecture)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
         save_tokenizer(backend, tmp)
         tmp.replace(cached)
+        if native is not None:
+            native.save(tables_beside(cached))
 
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos_ids = {int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -211,8 +222,12 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
     # Gemma ends a chat turn with <end_of_turn>; llama.cpp treats it as end of generation too.
     if architecture.startswith("gemma") and "<end_of_turn>" in tokens:
         eos_ids.add(tokens.index("<end_of_turn>"))
-    tokenizer = Tokenizer.around(backend, int(bos) if bos is not None else None, eos_ids)
-    return replace(tokenizer, saved=cached)
+    bos_id = int(bos) if bos is not None else None
+    if isinstance(backend, NativeSpm):
+        return Tokenizer(backend=backend, bos_token_id=bos_id, eos_token_ids=frozenset(eos_ids),
+                         special_ids=backend.special_ids,
+                         byte_token_ids=frozenset(backend.tables.byte_tokens.tolist()), saved=cached)
+    return replace(Tokenizer.around(backend, bos_id, eos_ids), saved=cached)
 
 
 def check_vocabulary(tokens: Any, source: Path) -> None:
@@ -329,7 +344,7 @@ def _vocab_key(metadata: dict[str, Any], tokens: list[str], types: list[int], ar
 
 def _build_spm_bpe(
     tokens: list[str], token_types: list[int], metadata: dict[str, Any], architecture: str
-) -> HFTokenizer:
+) -> tuple[HFTokenizer, SpmTables | None]:
     """A SentencePiece BPE vocabulary (byte fallback, "▁" for spaces) as a `tokenizers` BPE.
 
     GGUF files of this kind carry no merge list, so merges are recovered from the
@@ -368,8 +383,10 @@ def _build_spm_bpe(
         backend.normalizer = normalizers.Sequence(steps)
     backend.decoder = decoders.Sequence(decoder_steps)
     _add_vocab_specials(backend, tokens, token_types, vocab)
-    _add_bos_processor(backend, tokens, metadata, default=True)
-    return backend
+    bos = _add_bos_processor(backend, tokens, metadata, default=True)
+    prepend = not architecture.startswith("gemma") and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    byte_tokens = {i for t, i in vocab.items() if BYTE_TOKEN.fullmatch(t)}
+    return backend, spm_tables(backend, vocab, merges, len(tokens), prepend, bos, byte_tokens)
 
 
 def _build_byte_level_bpe(
@@ -423,14 +440,17 @@ def _add_vocab_specials(backend: HFTokenizer, tokens: list[str], token_types: li
     )
 
 
-def _add_bos_processor(backend: HFTokenizer, tokens: list[str], metadata: dict[str, Any], default: bool) -> None:
-    """BOS before the prompt when the file asks for it (SentencePiece vocabularies do by default)."""
+def _add_bos_processor(backend: HFTokenizer, tokens: list[str], metadata: dict[str, Any],
+                       default: bool) -> int | None:
+    """BOS before the prompt when the file asks for it (SentencePiece vocabularies do by default): its id."""
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-    if bos_id is not None and metadata.get("tokenizer.ggml.add_bos_token", default):
-        bos = tokens[int(bos_id)]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
-        )
+    if bos_id is None or not metadata.get("tokenizer.ggml.add_bos_token", default):
+        return None
+    bos = tokens[int(bos_id)]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+    )
+    return int(bos_id)
 
 
 def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
