@@ -1,11 +1,16 @@
-"""The worker's allocator policy: a large block freed goes back to the system, whatever was freed before."""
+"""The worker's memory policies: a large block freed goes back to the system, whatever was freed before; the
+weights' arena is faulted in ahead of the load and holds no more than the weights."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
+
+from llorch.weights.arena import arena_for, drop_prepared_arena, prepare_arena
 
 pytestmark = pytest.mark.cpu
 
@@ -57,3 +62,39 @@ def test_large_blocks_freed_go_back_to_the_system() -> None:
     mapped, kept = run("fixed")
     assert mapped
     assert kept <= 1
+
+
+def resident_kb(array: np.ndarray) -> int:
+    """Resident KB of the mapping that holds `array` (from /proc/self/smaps)."""
+    address = array.ctypes.data
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "-" in line.split()[0]:
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            if start <= address < end:
+                return next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
+    raise AssertionError("no mapping holds the array")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_prepared_arena_is_faulted_in_taken_once_and_trimmed_to_what_is_used() -> None:
+    prepare_arena(64 << 20)
+    arena = arena_for(40 << 20)
+    assert arena.size >= 64 << 20, "the prepared arena serves a load that fits it"
+    block = arena.take((40, 1 << 20))
+    assert resident_kb(block) >= 64 << 10, "every page of the prepared arena was faulted in"
+    arena.trim()
+    assert resident_kb(block) <= (42 << 10), "the pages past what was taken went back"
+    assert np.all(block == 0)
+    assert arena_for(1 << 20) is not arena, "a prepared arena is handed out once"
+
+
+def test_a_prepared_arena_too_small_or_dropped_is_not_used() -> None:
+    prepare_arena(4 << 20)
+    assert arena_for(16 << 20).size >= 16 << 20
+    prepare_arena(16 << 20)
+    drop_prepared_arena()
+    fresh = arena_for(16 << 20)
+    block = fresh.take((16, 1 << 20))
+    if Path("/proc/self/smaps").exists():
+        assert resident_kb(block) < 16 << 10, "a dropped arena is not handed out"

@@ -132,14 +132,20 @@ def test_pair_encodings_for_pooling_come_from_the_library(gemma: tuple[Tokenizer
     assert (ids, types) == (whole.ids, whole.type_ids) and len(ids) == 6 and length > 6
 
 
-def test_damaged_tables_are_ignored_and_the_json_serves(gemma: tuple[Tokenizer, HFTokenizer], tmp_path: Path) -> None:
-    ours, library = gemma
+def test_damaged_tables_or_tables_of_another_json_are_never_loaded(gemma: tuple[Tokenizer, HFTokenizer],
+                                                                    tmp_path: Path) -> None:
+    ours, _ = gemma
     assert ours.saved is not None
-    saved = tmp_path / "tokenizer.json"
+    saved, tables = tmp_path / "tokenizer.json", tables_beside(tmp_path / "tokenizer.json")
     saved.write_bytes(ours.saved.read_bytes())
-    tables_beside(saved).write_bytes(b"PK\x03\x04 not an archive")
+    tables.write_bytes(tables_beside(ours.saved).read_bytes())
+    assert NativeSpm.load(saved) is not None
+    tables.write_bytes(b"PK\x03\x04 not an archive")
     assert NativeSpm.load(saved) is None
-    tables_beside(saved).write_bytes(tables_beside(ours.saved).read_bytes()[:-100])
+    tables.write_bytes(tables_beside(ours.saved).read_bytes()[:-100])
+    assert NativeSpm.load(saved) is None
+    tables.write_bytes(tables_beside(ours.saved).read_bytes())
+    saved.write_bytes(ours.saved.read_bytes()[:-10])  # a damaged JSON: the library could not serve from it
     assert NativeSpm.load(saved) is None
 
 

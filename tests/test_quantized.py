@@ -24,6 +24,7 @@ from llorch.weights import converted
 from llorch.weights.default_model import default_model_path
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
+from llorch.weights.native_tokenizer import NativeSpm
 from llorch.weights.tensor_read import TensorRead
 
 pytestmark = pytest.mark.cpu
@@ -76,7 +77,8 @@ def test_a_warm_load_reads_the_cache_and_not_the_gguf_header(
     expected = all_logits(served, ids)
     cold = load_model(model_path, torch.device("cpu"), torch.float32, keep_quantized=True)
     entry = next((tmp_path / "converted").iterdir())
-    assert {p.name for p in entry.iterdir()} == {"meta.json", "tokenizer.json"}  # no copy of the weights
+    # No copy of the weights: the tokenizer, as JSON and as the C tokenizer's tables.
+    assert {p.name for p in entry.iterdir()} == {"meta.json", "tokenizer.json", "tokenizer.spm.npz"}
 
     def no_parsing(*_: object) -> None:
         raise AssertionError("a warm start parsed the GGUF header")
@@ -92,6 +94,7 @@ def test_a_warm_load_reads_the_cache_and_not_the_gguf_header(
     assert warm.tokenizer.encode(PROMPTS[2]) == served.tokenizer.encode(PROMPTS[2])
     assert warm.tokenizer.eos_token_ids == served.tokenizer.eos_token_ids
     assert warm.tokenizer.byte_token_ids == served.tokenizer.byte_token_ids
+    assert isinstance(warm.tokenizer.backend, NativeSpm)
     assert torch.equal(all_logits(warm, ids), expected) and torch.equal(all_logits(cold, ids), expected)
 
 

@@ -1,7 +1,10 @@
 """The three worker programs. Each is hard-wired to one backend; none falls back.
 
-Start-up: backend -> device check -> model load -> residency check -> engine ->
-HTTP server accepting -> ready callback -> serve until SIGINT/SIGTERM.
+Start-up: backend -> device check -> the weights' memory faulting in -> HTTP server accepting
+(health says loading) -> model load -> residency check -> engine -> ready callback -> serve
+until SIGINT/SIGTERM. This module imports only what parsing the flags needs: the engine's and
+the web stack's ~0.7 s of imports run while a thread faults in the memory the weights are read
+into (weights.arena), without Python's lock.
 An expected failure before serving is one line on stderr and a non-zero exit.
 """
 
@@ -16,15 +19,10 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import uvicorn
-from fastapi import FastAPI
-
-from llorch.api.app import create_app
-from llorch.api.callback import send_ready
-from llorch.api.connections import RequestLimit, guarded_protocol
 from llorch.api.cors import parse_origins
-from llorch.api.state import WorkerState
 from llorch.device import Backend, resolve_backend, verify_device
 from llorch.engine.config import (
     DEFAULT_CPU_KV_MB,
@@ -33,8 +31,8 @@ from llorch.engine.config import (
     DTYPES,
     KIND_LIMITS,
     SPECULATIVE_MODES,
+    EngineConfig,
 )
-from llorch.engine.factory import build_engine
 from llorch.errors import StartupError
 from llorch.host import physical_cores
 from llorch.kernels import build as kernels
@@ -42,6 +40,14 @@ from llorch.logs import setup_logging
 from llorch.memory import return_large_blocks
 from llorch.models.encoder_config import POOLINGS
 from llorch.settings import ServingSettings
+from llorch.weights.arena import drop_prepared_arena, prepare_arena
+from llorch.weights.default_model import assembled_default_model
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from llorch.api.state import WorkerState
 
 log = logging.getLogger("llorch.worker")
 
@@ -169,12 +175,17 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     except StartupError as exc:
         report_failure(program, str(exc))
         return exc.exit_code
+    prepare_weights_memory(settings.engine, backend.device)
+    from llorch.api.app import create_app  # the web stack (and the engine's), imported while the arena faults in
+    from llorch.api.state import WorkerState
+
     state = WorkerState(backend=backend.name, device=str(backend.device))
+    loading = Loading(settings, backend, state)
     app = create_app(state, settings.api_key, settings.origins, slots=settings.slots)
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
     lifecycle = Lifecycle(program, args, settings, backend, state, worker_id, process_start)
     try:
-        return asyncio.run(lifecycle.run(app))
+        return asyncio.run(lifecycle.run(app, loading))
     finally:
         if state.engine is not None:
             state.engine.stop()
@@ -194,19 +205,34 @@ def open_backend(settings: ServingSettings) -> Backend:
     return backend
 
 
+def prepare_weights_memory(config: EngineConfig, device: str) -> None:
+    """A GGUF file the C step serves is read into one huge-page arena (weights.arena): have it faulted in
+    while the program imports. A file loaded another way (an embedding model) drops it unused."""
+    if not config.c_step_on(device):
+        return
+    path = Path(config.model) if config.model else assembled_default_model()
+    if path is not None and path.suffix == ".gguf" and path.is_file():
+        prepare_arena(path.stat().st_size)
+
+
 def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
     """Build the engine from the settings, start it and attach it to `state` (runs in a worker thread)."""
 
     def progress(done: int, total: int) -> None:
         state.loading_progress = done / total
 
-    engine = build_engine(settings.engine, backend.device, telemetry=state.telemetry, progress=progress)
+    from llorch.engine.factory import build_engine
+
+    try:
+        engine = build_engine(settings.engine, backend.device, telemetry=state.telemetry, progress=progress)
+    finally:
+        drop_prepared_arena()
     engine.start()
     state.attach(engine)
 
 
-def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
-    """load_engine in a thread of its own that ends with it (its errors raised here).
+class Loading:
+    """load_engine on a thread of its own that ends with it, started now; `wait` raises its errors.
 
     Loading runs OpenMP regions (torch's, the kernels' repacking); OpenMP keeps a pool of
     threads for every thread that ran one, for as long as that thread lives. Had a long-lived
@@ -216,19 +242,28 @@ def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: W
     (about 10 ms more per token on the default model with 2 threads on 2 cores). A thread that
     ends takes its pool with it.
     """
-    failure: list[BaseException] = []
 
-    def run() -> None:
-        try:
-            load_engine(settings, backend, state)
-        except BaseException as exc:  # raised again in the caller's thread
-            failure.append(exc)
+    def __init__(self, settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
+        self._failure: list[BaseException] = []
 
-    thread = threading.Thread(target=run, name="llorch-load", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+        def run() -> None:
+            try:
+                load_engine(settings, backend, state)
+            except BaseException as exc:  # raised again in the waiting thread
+                self._failure.append(exc)
+
+        self._thread = threading.Thread(target=run, name="llorch-load", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._failure:
+            raise self._failure[0]
+
+
+def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
+    """load_engine in a thread that ends with it (see Loading), waited for here."""
+    Loading(settings, backend, state).wait()
 
 
 class Lifecycle:
@@ -241,7 +276,12 @@ class Lifecycle:
         self.server: uvicorn.Server | None = None
         self.drain_task: asyncio.Task[None] | None = None
 
-    async def run(self, app: FastAPI) -> int:
+    async def run(self, app: FastAPI, loading: Loading) -> int:
+        import uvicorn
+
+        from llorch.api.callback import send_ready
+        from llorch.api.connections import RequestLimit, guarded_protocol
+
         args = self.args
         # The request limit and the idle-connection bound are ours (api/connections.py): uvicorn's
         # limit_concurrency counts idle connections, so slow clients could lock everyone out.
@@ -263,7 +303,7 @@ class Lifecycle:
             log.warning("listening beyond loopback", extra={"host": args.host, "auth": bool(args.api_key)})
 
         try:
-            await asyncio.to_thread(load_in_passing_thread, self.settings, self.backend, self.state)
+            await asyncio.to_thread(loading.wait)
         except StartupError as exc:
             report_failure(self.program, str(exc))
             await self.stop_server(task)

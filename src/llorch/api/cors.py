@@ -9,8 +9,10 @@ with them); the requests that follow still need the key.
 
 from __future__ import annotations
 
-from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
 PREFLIGHT_MAX_AGE_S = 600
@@ -34,6 +36,8 @@ def install_cors(app: FastAPI, origins: list[str] | None) -> None:
     carries the headers a browser needs to read it."""
     if origins == []:
         return
+    from starlette.middleware.cors import CORSMiddleware  # here: the worker parses its flags before the web stack
+
     app.add_middleware(
         CORSMiddleware,
         allow_origins=origins or [],

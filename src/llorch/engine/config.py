@@ -49,6 +49,11 @@ class EngineConfig:
     pooling: str | None = None  # an embedding model's pooling (mean, cls, last) or rank; None: its files'
     grammar_at_start: bool = False  # build the grammar engine's vocabulary view while loading, not on first use
 
+    def c_step_on(self, device: str) -> bool:
+        """Whether a GGUF file of a generating model is served by the C step here: on the CPU, in float32,
+        its weights in their blocks (the factory loads anything else with torch)."""
+        return device == "cpu" and not self.dequantize and self.dtype in ("auto", "f32")
+
     def with_limits(self, kind: str) -> EngineConfig:
         """The batching limits the operator left unset, at the defaults of the model's kind."""
         running, queued, tokens = KIND_LIMITS["generate" if kind == "generate" else "pooled"]

@@ -74,8 +74,7 @@ def load_decoder(config: EngineConfig, path: Path, device: str, kind: str,
                  progress: Callable[[int, int], None] | None = None) -> LoadedModel:
     """A GGUF file on the CPU in float32 computes in the C step and loads without torch; anything else
     (a directory, CUDA, another dtype, dequantized weights, an embedding model's hidden states) with torch."""
-    if device == "cpu" and not config.dequantize and not path.is_dir() and kind != "embed" and config.dtype in (
-            "auto", "f32"):
+    if config.c_step_on(device) and not path.is_dir() and kind != "embed":
         try:  # the kernels are waited for once the file is converted: a first start builds both at once
             return load_native(path, progress)
         except KernelUnavailable as exc:

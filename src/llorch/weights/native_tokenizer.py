@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,20 +51,24 @@ class SpmTables:
     prepend: bool  # SentencePiece's dummy prefix (and the decoder's strip of it)
     bos: int  # the id encode(add_special_tokens=True) puts first, or -1
 
-    def save(self, target: Path) -> None:
+    def save(self, saved: Path) -> None:
+        """Beside `saved`, the library's JSON of the same tokenizer, which the tables are tied to by its checksum:
+        a damaged JSON is caught as the tables load, not at the first request that needs the library."""
+        target = tables_beside(saved)
         tmp = target.with_name(f"{target.stem}.tmp{os.getpid()}.npz")
-        meta = np.array([TABLES_VERSION, int(self.prepend), self.bos], dtype=np.int64)
+        meta = np.array([TABLES_VERSION, int(self.prepend), self.bos, _checksum(saved)], dtype=np.int64)
         np.savez(tmp, meta=meta, offsets=self.offsets, blob=self.blob, flags=self.flags, bytevals=self.bytevals,
                  byte_tokens=self.byte_tokens, merges=self.merges, added=self.added)
         tmp.replace(target)
 
     @classmethod
-    def read(cls, source: Path) -> SpmTables | None:
-        """The saved tables, or None for a file of another version or a damaged one (rebuilt, never trusted)."""
+    def read(cls, saved: Path) -> SpmTables | None:
+        """The tables saved beside `saved`, or None: none there, of another version, damaged, or not of this JSON
+        (then the caller parses the JSON, or rebuilds it when it is damaged: never trusted)."""
         try:
-            with np.load(source, allow_pickle=False) as arrays:
+            with np.load(tables_beside(saved), allow_pickle=False) as arrays:
                 meta = arrays["meta"]
-                if meta.shape != (3,) or int(meta[0]) != TABLES_VERSION:
+                if meta.shape != (4,) or int(meta[0]) != TABLES_VERSION or int(meta[3]) != _checksum(saved):
                     return None
                 tables = cls(offsets=arrays["offsets"], blob=arrays["blob"], flags=arrays["flags"],
                              bytevals=arrays["bytevals"], byte_tokens=arrays["byte_tokens"], merges=arrays["merges"],
@@ -80,6 +85,11 @@ class SpmTables:
                  and all(len(a) == 0 or (a.min() >= 0 and a.max() < n)
                          for a in (tables.merges.ravel(), tables.added, tables.byte_tokens)))
         return tables if valid else None
+
+
+def _checksum(file: Path) -> int:
+    """CRC-32 of a file: damage, not tampering, is what it is for (17 MB in a few ms, without Python's lock)."""
+    return zlib.crc32(file.read_bytes())
 
 
 def _byte_value(text: str) -> int:
@@ -164,8 +174,7 @@ class NativeSpm:
     @classmethod
     def load(cls, saved: Path) -> NativeSpm | None:
         """The tables saved beside `saved` behind the C code, or None (no tables, or no C kernels here)."""
-        source = tables_beside(saved)
-        tables = SpmTables.read(source) if source.is_file() else None
+        tables = SpmTables.read(saved) if tables_beside(saved).is_file() else None
         if tables is None:
             return None
         try:

@@ -32,7 +32,7 @@ from llorch.weights.limits import (
     MAX_VOCAB,
     require_regular_file,
 )
-from llorch.weights.native_tokenizer import NativeSpm, SpmTables, spm_tables, tables_beside
+from llorch.weights.native_tokenizer import NativeSpm, SpmTables, spm_tables
 from llorch.weights.tokenizer_file import save_tokenizer
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
@@ -214,7 +214,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
         save_tokenizer(backend, tmp)
         tmp.replace(cached)
         if native is not None:
-            native.save(tables_beside(cached))
+            native.save(cached)
 
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos_ids = {int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
