@@ -105,40 +105,39 @@ def _byte_value(text: str) -> int:
     return int(digits, 16)
 
 
-def spm_tables(backend: Any, vocab: dict[str, int], merges: list[tuple[str, str]], size: int, prepend: bool,
+def spm_tables(backend: Any, vocab: dict[str, int], merges: np.ndarray, size: int, prepend: bool,
                bos: int | None, byte_tokens: set[int]) -> SpmTables | None:
-    """The C tokenizer's tables for `backend`, a BPE built from `vocab` (text -> id, over ids 0..size-1) and
-    `merges` by weights/tokenizer.py; None when some part of it is outside what the C code reproduces."""
+    """The C tokenizer's tables for `backend`, a BPE built by weights/tokenizer.py from `vocab` (text -> id, over
+    ids 0..size-1) and `merges` ((left, right, merged) ids, best first); None when some part of it is outside
+    what the C code reproduces."""
     texts: list[str | None] = [None] * size
     for text, index in vocab.items():
         texts[index] = text
     if any(f"<0x{b:02X}>" not in vocab for b in range(256)):
         return None  # a character outside the vocabulary would need the unknown token
-    added, special = [], set()
+    added, special = [], []
     for index, token in backend.get_added_tokens_decoder().items():
         if (index >= size or texts[index] != token.content or token.normalized or token.lstrip or token.rstrip
                 or token.single_word or not token.content):
             return None
         added.append(index)
         if token.special:
-            special.add(index)
+            special.append(index)
     encoded = [(t or "").encode() for t in texts]
     offsets = np.zeros(size + 1, dtype=np.int64)
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
-    flags = np.array([(_FLAG_HOLE if texts[i] is None else 0) | (_FLAG_SPECIAL if i in special else 0)
-                      for i in range(size)], dtype=np.uint8)
-    triples = []
-    for left, right in merges:
-        merged = vocab.get(left + right)
-        if merged is None:
-            return None
-        triples.append((vocab[left], vocab[right], merged))
+    flags = np.full(size, _FLAG_HOLE, dtype=np.uint8)
+    flags[np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))] = 0
+    flags[np.array(special, dtype=np.int64)] |= _FLAG_SPECIAL
+    bytevals = np.full(size, -1, dtype=np.int16)
+    for index, text in enumerate(texts):
+        if text is not None and text.startswith("<0x"):  # what the byte-fallback decoder reads; cheap to skip
+            bytevals[index] = _byte_value(text.replace(SPACE_MARK, " "))
     return SpmTables(
         offsets=offsets, blob=np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(), flags=flags,
-        bytevals=np.array([_byte_value((t or "").replace(SPACE_MARK, " ")) for t in texts], dtype=np.int16),
-        byte_tokens=np.array(sorted(byte_tokens), dtype=np.int32),
-        merges=np.array(triples, dtype=np.int32).reshape(-1, 3), added=np.array(sorted(added), dtype=np.int32),
-        prepend=prepend, bos=-1 if bos is None else bos)
+        bytevals=bytevals, byte_tokens=np.array(sorted(byte_tokens), dtype=np.int32),
+        merges=np.ascontiguousarray(merges, dtype=np.int32).reshape(-1, 3),
+        added=np.array(sorted(added), dtype=np.int32), prepend=prepend, bos=-1 if bos is None else bos)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -364,7 +365,7 @@ def _build_spm_bpe(
             raise ValueError("a SentencePiece vocabulary needs tokenizer.ggml.scores")
         priority = {token: float(s) for token, s in zip(vocab_tokens, scores, strict=True)}
     vocab = {token: index for index, token in enumerate(vocab_tokens)}
-    merges = _merges_from_vocab(vocab, priority)
+    merges, merge_ids = _merges_from_vocab(vocab, priority)
 
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
@@ -386,7 +387,7 @@ def _build_spm_bpe(
     bos = _add_bos_processor(backend, tokens, metadata, default=True)
     prepend = not architecture.startswith("gemma") and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     byte_tokens = {i for t, i in vocab.items() if BYTE_TOKEN.fullmatch(t)}
-    return backend, spm_tables(backend, vocab, merges, len(tokens), prepend, bos, byte_tokens)
+    return backend, spm_tables(backend, vocab, merge_ids, len(tokens), prepend, bos, byte_tokens)
 
 
 def _build_byte_level_bpe(
@@ -453,8 +454,10 @@ def _add_bos_processor(backend: HFTokenizer, tokens: list[str], metadata: dict[s
     return int(bos_id)
 
 
-def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
-    """All (left, right) splits of each token whose halves are tokens, best merge first.
+def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]
+                       ) -> tuple[list[tuple[str, str]], np.ndarray]:
+    """All (left, right) splits of each token whose halves are tokens, best merge first, and the same merges as
+    (left, right, merged) ids [m, 3] (for the C tokenizer's tables).
 
     Ties are ordered by longer left part, then longer right part, then vocabulary
     order of the merged token and of its halves, matching the reference conversion.
@@ -464,15 +467,18 @@ def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]) -> lis
     split every way ("b", "bb", ... "b" x 2000) would yield a cubic amount.
     """
     budget = MERGE_CHARS_PER_VOCAB_CHAR * sum(len(token) for token in priority)
-    ranked: list[tuple[float, int, int, int, int, int, str, str]] = []
+    ranked: list[tuple[float, int, int, int, int, int, str, str, int]] = []
     for order, (merged, score) in enumerate(priority.items()):
+        merged_id = vocab[merged]
         for cut in range(1, len(merged)):
             left, right = merged[:cut], merged[cut:]
             if left in vocab and right in vocab:
-                ranked.append((-score, -len(left), -len(right), order, vocab[left], vocab[right], left, right))
+                ranked.append((-score, -len(left), -len(right), order, vocab[left], vocab[right], left, right,
+                               merged_id))
                 budget -= len(merged)
         if budget < 0:
             raise ValueError(f"the vocabulary splits into more merges than {MERGE_CHARS_PER_VOCAB_CHAR}x its own "
                              "size; it is not a SentencePiece vocabulary")
     ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    ids = np.array([(left, right, merged) for *_, left, right, _l, _r, merged in ranked], dtype=np.int32)
+    return [(left, right) for *_, left, right, _ in ranked], ids.reshape(-1, 3)
