@@ -32,6 +32,13 @@ SPACE_MARK = "\u2581"
 _FLAG_HOLE, _FLAG_SPECIAL = 1, 2  # as tokenizer.c numbers them
 
 
+def spm_decoder(prepend: bool) -> decoders.Decoder:
+    """A SentencePiece vocabulary's decoder: U+2581 read as a space, byte tokens joined into characters, and the
+    dummy prefix's space taken off again where the encoder puts one (`prepend`). llorch_tok_decode is this."""
+    steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    return decoders.Sequence([*steps, decoders.Strip(content=" ", left=1)] if prepend else steps)
+
+
 def tables_beside(saved: Path) -> Path:
     """Where the tables of the tokenizer saved as `saved` (its JSON) are kept."""
     return saved.with_suffix(".spm.npz")
@@ -245,8 +252,7 @@ class NativeSpm:
     @property
     def decoder(self) -> decoders.Decoder:
         """The library's decoder that this one reproduces (the grammar's vocabulary reads its kind)."""
-        steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
-        return decoders.Sequence([*steps, decoders.Strip(content=" ", left=1)] if self.tables.prepend else steps)
+        return spm_decoder(self.tables.prepend)
 
     @property
     def library_tokenizer(self) -> Any:

@@ -33,7 +33,7 @@ from llorch.weights.limits import (
     MAX_VOCAB,
     require_regular_file,
 )
-from llorch.weights.native_tokenizer import NativeSpm, SpmTables, spm_tables
+from llorch.weights.native_tokenizer import NativeSpm, SpmTables, spm_decoder, spm_tables
 from llorch.weights.tokenizer_file import save_tokenizer
 
 # Bump when the conversion changes, so stale cached tokenizers are not reused.
@@ -370,7 +370,7 @@ def _build_spm_bpe(
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
     backend = HFTokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    decoder_steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    prepend = not architecture.startswith("gemma") and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     if architecture.startswith("gemma"):
         backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
         backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
@@ -378,14 +378,10 @@ def _build_spm_bpe(
         # SentencePiece puts a space before the text (its dummy prefix) unless the file says
         # not to, even when the text already starts with one; the decoder takes it off again.
         steps = [normalizers.Replace(" ", SPACE_MARK)]
-        if metadata.get("tokenizer.ggml.add_space_prefix", True):
-            steps.insert(0, normalizers.Prepend(SPACE_MARK))
-            decoder_steps.append(decoders.Strip(content=" ", left=1))
-        backend.normalizer = normalizers.Sequence(steps)
-    backend.decoder = decoders.Sequence(decoder_steps)
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARK), *steps] if prepend else steps)
+    backend.decoder = spm_decoder(prepend)
     _add_vocab_specials(backend, tokens, token_types, vocab)
     bos = _add_bos_processor(backend, tokens, metadata, default=True)
-    prepend = not architecture.startswith("gemma") and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     byte_tokens = {i for t, i in vocab.items() if BYTE_TOKEN.fullmatch(t)}
     return backend, spm_tables(backend, vocab, merge_ids, len(tokens), prepend, bos, byte_tokens)
 
