@@ -221,16 +221,24 @@ def test_random_token_streams_never_emit_broken_utf8(ours: LoadedModel, data: st
         assert not piece.endswith("\ufffd")
 
 
-def test_min_tokens_keeps_the_end_tokens_out_until_that_many_are_drawn() -> None:
+@pytest.mark.parametrize("host", [False, True], ids=["torch", "numpy"])
+def test_min_tokens_keeps_the_end_tokens_out_until_that_many_are_drawn(host: bool) -> None:
     eos = (3, 7)
-    state = SamplerState(SamplingParams(temperature=0.0, min_tokens=2), 0, [1, 2], 16, torch.device("cpu"), eos)
+    state = SamplerState(SamplingParams(temperature=0.0, min_tokens=2), 0, [1, 2], 16,
+                         None if host else torch.device("cpu"), eos)
     logits = torch.zeros(16)
     logits[3] = 10.0  # the end token is by far the likeliest
+    logits[9] = 5.0  # then this one
+    rows = logits[None].numpy() if host else logits[None]
     drawn = []
     for _ in range(3):
-        drawn.append(sample_batch(logits[None], [state])[0].token_id)
+        drawn.append(sample_batch(rows, [state])[0].token_id)
         state.accept(drawn[-1])
-    assert drawn[0] not in eos and drawn[1] not in eos and drawn[2] == 3
+    assert drawn == [9, 9, 3]
+    rows[0, 11] = 20.0  # an argmax that is no end token stands while they are held back
+    blocked = SamplerState(SamplingParams(temperature=0.0, min_tokens=2), 0, [1, 2], 16,
+                           None if host else torch.device("cpu"), eos)
+    assert sample_batch(rows, [blocked])[0].token_id == 11
 
 
 def test_an_engine_loop_that_dies_ends_every_job_and_refuses_new_ones(ours: LoadedModel) -> None:
