@@ -20,12 +20,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 
 import numpy as np
 
 HUGE_PAGE = 2 << 20
-MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in, writable, in one call
+POPULATE_BYTES_PER_THREAD = 256 << 20
 
 
 class WeightArena:
@@ -46,8 +47,19 @@ class WeightArena:
         return len(self._bytes)
 
     def _populate(self) -> None:
-        # Through ctypes, so Python's lock is free meanwhile (mmap.madvise keeps it).
-        ctypes.memset(self._bytes.ctypes.data, 0, len(self._bytes))
+        # Through ctypes, so Python's lock is free meanwhile (mmap.madvise keeps it). A host faults pages in
+        # for each CPU at once: past what one thread faults while the program imports (~256 MB), more
+        # threads share the rest (the 1.1B file's 667 MB: 1.5 s on one thread, 0.7 s on two).
+        address, size = self._bytes.ctypes.data, len(self._bytes)
+        parts = max(1, min(os.cpu_count() or 1, size // POPULATE_BYTES_PER_THREAD))
+        step = -(-size // parts // HUGE_PAGE) * HUGE_PAGE
+        helpers = [threading.Thread(target=ctypes.memset, args=(address + start, 0, min(step, size - start)),
+                                    name="llorch-arena-fault", daemon=True) for start in range(step, size, step)]
+        for helper in helpers:
+            helper.start()
+        ctypes.memset(address, 0, min(step, size))
+        for helper in helpers:
+            helper.join()
 
     def trim(self) -> None:
         """Give back the pages past what take() handed out (a prepared arena is sized by the whole file)."""
