@@ -1,8 +1,8 @@
 """The three worker programs. Each is hard-wired to one backend; none falls back.
 
-Start-up: backend -> device check -> the weights' memory faulting in -> model load begins ->
-HTTP server accepting (health says loading) -> residency check -> engine -> ready callback ->
-serve until SIGINT/SIGTERM. This module imports only what parsing the flags needs: the
+Start-up: backend -> device check -> the weights' memory faulting in -> HTTP server accepting
+(health says loading) -> model load -> residency check -> engine -> ready callback -> serve
+until SIGINT/SIGTERM. This module imports only what parsing the flags needs: the
 engine's and the web stack's ~0.7 s of imports run while a thread faults in the memory the
 weights are read into (weights.arena), without Python's lock.
 An expected failure before serving is one line on stderr and a non-zero exit.
@@ -180,12 +180,11 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     from llorch.api.state import WorkerState
 
     state = WorkerState(backend=backend.name, device=str(backend.device))
-    loading = Loading(settings, backend, state)
     app = create_app(state, settings.api_key, settings.origins, slots=settings.slots)
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
     lifecycle = Lifecycle(program, args, settings, backend, state, worker_id, process_start)
     try:
-        return asyncio.run(lifecycle.run(app, loading))
+        return asyncio.run(lifecycle.run(app))
     finally:
         if state.engine is not None:
             state.engine.stop()
@@ -231,8 +230,8 @@ def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState)
     state.attach(engine)
 
 
-class Loading:
-    """load_engine on a thread of its own that ends with it, started now; `wait` raises its errors.
+def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
+    """load_engine in a thread of its own that ends with it (its errors raised here).
 
     Loading runs OpenMP regions (torch's, the kernels' repacking); OpenMP keeps a pool of
     threads for every thread that ran one, for as long as that thread lives. Had a long-lived
@@ -242,28 +241,19 @@ class Loading:
     (about 10 ms more per token on the default model with 2 threads on 2 cores). A thread that
     ends takes its pool with it.
     """
+    failure: list[BaseException] = []
 
-    def __init__(self, settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
-        self._failure: list[BaseException] = []
+    def run() -> None:
+        try:
+            load_engine(settings, backend, state)
+        except BaseException as exc:  # raised again in the caller's thread
+            failure.append(exc)
 
-        def run() -> None:
-            try:
-                load_engine(settings, backend, state)
-            except BaseException as exc:  # raised again in the waiting thread
-                self._failure.append(exc)
-
-        self._thread = threading.Thread(target=run, name="llorch-load", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self._failure:
-            raise self._failure[0]
-
-
-def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
-    """load_engine in a thread that ends with it (see Loading), waited for here."""
-    Loading(settings, backend, state).wait()
+    thread = threading.Thread(target=run, name="llorch-load", daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 class Lifecycle:
@@ -276,7 +266,7 @@ class Lifecycle:
         self.server: uvicorn.Server | None = None
         self.drain_task: asyncio.Task[None] | None = None
 
-    async def run(self, app: FastAPI, loading: Loading) -> int:
+    async def run(self, app: FastAPI) -> int:
         import uvicorn
 
         from llorch.api.callback import send_ready
@@ -303,7 +293,9 @@ class Lifecycle:
             log.warning("listening beyond loopback", extra={"host": args.host, "auth": bool(args.api_key)})
 
         try:
-            await asyncio.to_thread(loading.wait)
+            # After binding: a first start converts the model in Python for seconds, which would starve the
+            # server's start of Python's lock.
+            await asyncio.to_thread(load_in_passing_thread, self.settings, self.backend, self.state)
         except StartupError as exc:
             report_failure(self.program, str(exc))
             await self.stop_server(task)
