@@ -53,7 +53,7 @@ def llama2(sentencepiece_vocab: tuple[object, Tokenizer]) -> tuple[Tokenizer, HF
     warm = NativeSpm.load(built.saved)
     assert warm is not None and warm.tables.prepend
     return Tokenizer(backend=warm, bos_token_id=built.bos_token_id, eos_token_ids=built.eos_token_ids,
-                     special_ids=warm.special_ids, byte_token_ids=built.byte_token_ids), built.library
+                     special_ids=warm.tables.special_ids, byte_token_ids=built.byte_token_ids), built.library
 
 
 VOCABS = ["gemma", "llama2"]

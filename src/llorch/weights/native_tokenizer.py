@@ -58,6 +58,11 @@ class SpmTables:
     prepend: bool  # SentencePiece's dummy prefix (and the decoder's strip of it)
     bos: int  # the id encode(add_special_tokens=True) puts first, or -1
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Added tokens that decode(skip_special_tokens=True) leaves out."""
+        return frozenset(int(i) for i in self.added if self.flags[i] & _FLAG_SPECIAL)
+
     def save(self, saved: Path) -> None:
         """Beside `saved`, the library's JSON of the same tokenizer, which the tables are tied to by its checksum:
         a damaged JSON is caught as the tables load, not at the first request that needs the library."""
@@ -239,11 +244,6 @@ class NativeSpm:
 
     def to_str(self) -> str:
         return self.saved.read_text(encoding="utf-8")
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        """Added tokens that decode(skip_special_tokens=True) leaves out."""
-        return frozenset(int(i) for i in self.tables.added if self.tables.flags[i] & _FLAG_SPECIAL)
 
     def get_added_tokens_decoder(self) -> dict[int, AddedToken]:
         return {int(i): AddedToken(self.id_to_token(int(i)), special=bool(self.tables.flags[i] & _FLAG_SPECIAL),
