@@ -124,7 +124,8 @@ def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtyp
             alone = blocks.matmul(x[start : start + 1], layout, interleaved, lib=lib)
             assert torch.equal(alone, ours[start : start + 1])
     # Groups of eight rows are computed two at a time where they can be: rows 32-39 of these 48 are
-    # the first half of a pair, and of the first 40 rows alone the group left over; same bits.
+    # the second half of a pair (with rows 8-15), and of the first 40 rows alone the group left over;
+    # same bits.
     first_40 = matrix[:40].clone()
     first_40_type = blocks.repacked(first_40, int(qtype), 512, lib=lib)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(40))

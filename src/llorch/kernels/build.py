@@ -113,10 +113,11 @@ def _sources() -> list[Path]:
     return sorted(SOURCES.glob("*.c"))
 
 
-def build_library(variant: Variant) -> Path:
-    """The compiled library of `variant`, building it when the cache has none."""
+def build_library(variant: Variant, defines: tuple[str, ...] = ()) -> Path:
+    """The compiled library of `variant`, building it when the cache has none. `defines`: macros for
+    builds other than the worker's (LLORCH_PROFILE, bench/step_profile.py)."""
     compiler = _compiler()
-    flags = ["-O3", "-shared", "-fPIC", "-std=c11", *variant.flags]
+    flags = ["-O3", "-shared", "-fPIC", "-std=c11", *variant.flags, *(f"-D{define}" for define in defines)]
     if sys.platform != "darwin":  # Apple's clang has no OpenMP; there the kernels run on one thread
         flags.append("-fopenmp")
     sources = _sources()

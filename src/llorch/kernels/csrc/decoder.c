@@ -18,8 +18,22 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "profile.h"
 #include "simd.h"
 #include "vmath.h"
+
+#if defined(LLORCH_PROFILE) && defined(_OPENMP)
+double llorch_phase_seconds[PH_COUNT];
+double llorch_phase_clock;
+
+/* The seconds spent in each phase (enum step_phase) since the last call, then zeroed. */
+void llorch_profile_take(double *out) {
+    for (int i = 0; i < PH_COUNT; i++) {
+        out[i] = llorch_phase_seconds[i];
+        llorch_phase_seconds[i] = 0.0;
+    }
+}
+#endif
 
 /* -- small vector helpers --------------------------------------------------------------------- */
 /* out = x * w / sqrt(mean(x^2) + eps), in place allowed. */
@@ -48,14 +62,17 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 /* outs[i] = x . mats[i] for `m` rows of `k` values (worksharing): x is quantized first when
  * any of the matrices is a block type. */
 static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, act_block *xq,
-                    float *const *outs) {
+                    float *const *outs, int phase) {
     for (int i = 0; i < count; i++) {
         if (is_block_type(mats[i].type)) {
             llorch_quantize_rows_ws(x, m, k, xq);
             break;
         }
     }
+    PROFILE(PH_QUANTIZE);
     llorch_matmul_group_ws(mats, count, x, xq, m, outs);
+    PROFILE(phase);
+    (void)phase;
 }
 
 /* -- the step ------------------------------------------------------------------------------------ */
@@ -97,6 +114,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #else
         float *scores = all_scores;
 #endif
+        PROFILE_START();
 
         /* the RoPE angles of every row, per variant: cos and sin tables [variant][row][head_dim] */
 #ifdef _OPENMP
@@ -125,6 +143,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             if (M->embed_scale != 0.0f) for (int64_t i = 0; i < H; i++) x[r * H + i] *= M->embed_scale;
         }
 
+        PROFILE(PH_SETUP);
         for (int64_t l = 0; l < M->layers; l++) {
             const layer_desc *L = M->layer + l;
             const float *cos_table = rope_tables + (int64_t)(2 * L->rope) * R * HD;
@@ -135,9 +154,10 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #pragma omp for schedule(static)
 #endif
             for (int64_t r = 0; r < R; r++) rms_norm(x + r * H, L->input_norm, H, M->eps, h + r * H);
+            PROFILE(PH_NORM);
             const matrix qkv[3] = {L->q, L->k, L->v};
             float *qkv_out[3] = {q, k, v};
-            project(qkv, 3, h, R, H, xq, qkv_out);
+            project(qkv, 3, h, R, H, xq, qkv_out, PH_QKV);
 
             /* biases, per-head norms, RoPE, and the new keys and values into the cache */
 #ifdef _OPENMP
@@ -157,6 +177,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 memcpy(L->keys + S->write_slots[r] * NKV, kr, sizeof(float) * (size_t)NKV);
                 memcpy(L->values + S->write_slots[r] * NKV, vr, sizeof(float) * (size_t)NKV);
             }
+            PROFILE(PH_ROPE_CACHE);
 
             /* attention: each row over its own visible positions, in fixed chunks of keys */
 #ifdef _OPENMP
@@ -172,6 +193,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 llorch_attend_chunk(q + r * NQ, L->keys, L->values, g, group, HD, M->kv_heads, M->attn_scale,
                                     S->slots + S->slot_start[r], first, last, scores, parts + item * part_size);
             }
+            PROFILE(PH_ATTEND);
             /* combine each head's chunks: the softmax over all its visible positions */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
@@ -195,9 +217,10 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 const float inverse = 1.0f / total;
                 for (int64_t d = 0; d < HD; d++) out[d] *= inverse;
             }
+            PROFILE(PH_COMBINE);
 
             /* output projection and the residual */
-            project(&L->o, 1, attn, R, NQ, xq, &o);
+            project(&L->o, 1, attn, R, NQ, xq, &o, PH_O);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -213,11 +236,12 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                     rms_norm(xr, L->post_attn_norm, H, M->eps, h + r * H);
                 }
             }
+            PROFILE(PH_RESIDUAL);
 
             /* the MLP */
             const matrix gate_up[2] = {L->gate, L->up};
             float *gate_up_out[2] = {gate, up};
-            project(gate_up, 2, h, R, H, xq, gate_up_out);
+            project(gate_up, 2, h, R, H, xq, gate_up_out, PH_GATE_UP);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -229,7 +253,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                     for (int64_t i = 0; i < I; i++) a_row[i] = v_silu(g_row[i]) * u_row[i];
                 }
             }
-            project(&L->down, 1, h, R, I, xq, &o);
+            PROFILE(PH_ACTIVATION);
+            project(&L->down, 1, h, R, I, xq, &o, PH_DOWN);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -238,6 +263,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 if (M->sandwich) rms_norm(orow, L->post_ffn_norm, H, M->eps, orow);
                 for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
             }
+            PROFILE(PH_RESIDUAL);
         }
 
         /* final norm and the vocabulary projection of the wanted rows */
@@ -246,13 +272,15 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #pragma omp for schedule(static)
 #endif
         for (int64_t i = 0; i < wanted; i++) rms_norm(x + S->logit_rows[i] * H, M->final_norm, H, M->eps, h + i * H);
-        project(M->head, 1, h, wanted, H, xq, &S->logits);
+        PROFILE(PH_NORM);
+        project(M->head, 1, h, wanted, H, xq, &S->logits, PH_HEAD);
         if (M->logit_softcap != 0.0f) {
             const float cap = M->logit_softcap;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
             for (int64_t i = 0; i < wanted * M->vocab; i++) S->logits[i] = v_tanh(S->logits[i] / cap) * cap;
+            PROFILE(PH_HEAD);
         }
     }
     for (int i = 0; i < count; i++) free(buffers[i]);

@@ -6,8 +6,9 @@
  * rows. Measured on Q8_0 (one thread, Zen 4): 16 activation rows 0.43 ns per block and row
  * against 0.84 row at a time; one row 1.74 against 1.9.
  *
- * Two groups of eight rows run side by side in 512-bit registers, lanes 0-7 the first group's
- * rows and 8-15 the second's; a group left over runs as both halves, its eight lanes stored.
+ * Two groups of eight rows (any two: matmul.c says which) run side by side in 512-bit registers,
+ * lanes 0-7 the first group's rows and 8-15 the second's; a group left over runs as both halves,
+ * its eight lanes stored.
  * Why 512 bits: once a few activation rows share the weights, the dot instructions bound the
  * kernel, and one 512-bit instruction does the work of two 256-bit ones in about the time of
  * one. Measured against the 256-bit kernels before them (Xeon, one thread, 2048 x 2048 in
@@ -35,24 +36,23 @@ static inline __m512i two_steps(const uint8_t *a, const uint8_t *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
-/* Asks for both groups' next bytes (once when a group left over runs as both halves). */
-static inline void prefetch_pair(const uint8_t *ga, const uint8_t *gb, int64_t bytes) {
-    prefetch_ahead(ga, bytes);
-    if (gb != ga) prefetch_ahead(gb, bytes);
+/* Lanes 0-7 are group a's rows, 8-15 group b's (not stored when a group ran alone, as both halves). */
+static inline void store_pair(float *out_a, float *out_b, __m512 v) {
+    _mm256_storeu_ps(out_a, _mm512_castps512_ps256(v));
+    if (out_b != out_a) _mm256_storeu_ps(out_b, _mm512_extractf32x8_ps(v, 1));
 }
 
 /* Q8_0_R8 and Q5_0_R8, the groups at wa and wb (per 32-value block): steps v[0..8) of unsigned
  * values w + offset, the offset taken back out with the activation sums. */
 static inline __attribute__((always_inline)) void small_blocks_pair(int type, int64_t blocks, int64_t group_bytes,
                                                                   float offset, const uint8_t *wa, const uint8_t *wb,
-                                                                  const act_block *const *x, int tile, float *out,
-                                                                  int64_t ldo, __mmask16 lanes, int ahead) {
+                                                                  const act_block *const *x, int tile, float *out_a,
+                                                                  float *out_b, int64_t ldo) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[TILE], offsets[TILE];
     for (int t = 0; t < tile; t++) acc[t] = offsets[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *ga = wa + b * group_bytes, *gb = wb + b * group_bytes;
-        if (ahead) prefetch_pair(ga, gb, group_bytes);
         const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)gb),
                                                           _mm_loadu_si128((const __m128i *)ga)));
         const __m512 shift = _mm512_mul_ps(d, _mm512_set1_ps(offset));
@@ -88,19 +88,18 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
             offsets[t] = _mm512_fmadd_ps(shift, _mm512_set1_ps(a->d * (float)(a->sum[0] + a->sum[1])), offsets[t]);
         }
     }
-    for (int t = 0; t < tile; t++) _mm512_mask_storeu_ps(out + t * ldo, lanes, _mm512_sub_ps(acc[t], offsets[t]));
+    for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, _mm512_sub_ps(acc[t], offsets[t]));
 }
 
 /* Q4_K_R8, the groups at wa and wb (per super-block of 256):
  * d * sum_j dx_j * scale_j * dot_j - dmin * sum_j dx_j * min_j * xsum_j. */
 static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int64_t group_bytes, const uint8_t *wa,
                                                           const uint8_t *wb, const act_block *const *x, int tile,
-                                                          float *out, int64_t ldo, __mmask16 lanes, int ahead) {
+                                                          float *out_a, float *out_b, int64_t ldo) {
     __m512 total[TILE];
     for (int t = 0; t < tile; t++) total[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *ga = wa + s * group_bytes, *gb = wb + s * group_bytes;
-        if (ahead) prefetch_pair(ga, gb, group_bytes);
         const __m512i a = two_steps(ga + 32, gb + 32), b = two_steps(ga + 64, gb + 64), c = two_steps(ga + 96, gb + 96);
         const __m512i six = _mm512_set1_epi8(63), top = _mm512_set1_epi8(0x30), low = _mm512_set1_epi8(0x0f);
         uint8_t unpacked[4][64];  /* scales 0-3, 4-7, minimums 0-3, 4-7: [group][sub-block][row] */
@@ -153,7 +152,7 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
                                                              _mm_loadu_si128((const __m128i *)(ga + 16))));
         for (int t = 0; t < tile; t++) total[t] = _mm512_fnmadd_ps(dmin, mins[t], _mm512_fmadd_ps(d, acc[t], total[t]));
     }
-    for (int t = 0; t < tile; t++) _mm512_mask_storeu_ps(out + t * ldo, lanes, total[t]);
+    for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, total[t]);
 }
 
 static inline __m512i high_pair512(__m512i plane, int p) {
@@ -168,13 +167,12 @@ static inline __m512i high_pair512(__m512i plane, int p) {
  * values (exact: at most 2 x 16 x 32 x 127 x 128 < 2^24, so the float conversion is exact too). */
 static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int64_t group_bytes, const uint8_t *wa,
                                                           const uint8_t *wb, const act_block *const *x, int tile,
-                                                          float *out, int64_t ldo, __mmask16 lanes, int ahead) {
+                                                          float *out_a, float *out_b, int64_t ldo) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 total[TILE];
     for (int t = 0; t < tile; t++) total[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *ga = wa + s * group_bytes, *gb = wb + s * group_bytes;
-        if (ahead) prefetch_pair(ga, gb, group_bytes);
         __m512 acc[TILE];
         for (int t = 0; t < tile; t++) acc[t] = _mm512_setzero_ps();
         for (int b = 0; b < 8; b++) {
@@ -205,38 +203,28 @@ static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int6
                                                           _mm_loadu_si128((const __m128i *)ga)));
         for (int t = 0; t < tile; t++) total[t] = _mm512_fmadd_ps(d, acc[t], total[t]);
     }
-    for (int t = 0; t < tile; t++) _mm512_mask_storeu_ps(out + t * ldo, lanes, total[t]);
+    for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, total[t]);
 }
 
-/* Weight rows [j0, j1) (whole groups) by group pairs: `kernel(wa, wb, lanes)` for each. */
-#define BY_PAIRS(group_stride, kernel)                                                  \
-    for (int64_t g = j0 / ROWS; g < j1 / ROWS; g += 2) {                               \
-        const uint8_t *wa = w + g * (group_stride);                                     \
-        const int pair = g + 1 < j1 / ROWS;                                             \
-        float *at = out + ROWS * g;                                                     \
-        kernel(wa, pair ? wa + (group_stride) : wa, pair ? (__mmask16)0xFFFF : (__mmask16)0x00FF, at); \
-    }
-
-static inline __attribute__((always_inline)) void small_blocks(int type, const uint8_t *w, int64_t k, int64_t j0,
-                                                             int64_t j1, const act_block *const *x, int tile,
-                                                             float *out, int64_t ldo, int ahead) {
-    const int64_t blocks = k / QK, group_bytes = llorch_group_bytes(type);
+static inline __attribute__((always_inline)) void small_blocks(int type, const uint8_t *w, int64_t k, int64_t ga,
+                                                             int64_t gb, const act_block *const *x, int tile,
+                                                             float *out, int64_t ldo) {
+    const int64_t blocks = k / QK, group_bytes = llorch_group_bytes(type), span = blocks * group_bytes;
     const float offset = type == T_Q8_0_R8 ? 128.0f : 16.0f;
-#define SMALL(wa, wb, lanes, at) small_blocks_pair(type, blocks, group_bytes, offset, wa, wb, x, tile, at, ldo, lanes, ahead)
-    BY_PAIRS(blocks * group_bytes, SMALL)
-#undef SMALL
+    small_blocks_pair(type, blocks, group_bytes, offset, w + ga * span, w + gb * span, x, tile, out + ROWS * ga,
+                      out + ROWS * gb, ldo);
 }
 
 /* The K types (Q4_K_R8 and Q6_K_R8), per super-block of 256 values. */
-static inline __attribute__((always_inline)) void k_blocks(int type, const uint8_t *w, int64_t k, int64_t j0,
-                                                         int64_t j1, const act_block *const *x, int tile, float *out,
-                                                         int64_t ldo, int ahead) {
-    const int64_t supers = k / QK_K, group_bytes = llorch_group_bytes(type);
-#define K_QUANT(wa, wb, lanes, at)                                                          \
-    type == T_Q4_K_R8 ? q4_k_pair(supers, group_bytes, wa, wb, x, tile, at, ldo, lanes, ahead) \
-                      : q6_k_pair(supers, group_bytes, wa, wb, x, tile, at, ldo, lanes, ahead)
-    BY_PAIRS(supers * group_bytes, K_QUANT)
-#undef K_QUANT
+static inline __attribute__((always_inline)) void k_blocks(int type, const uint8_t *w, int64_t k, int64_t ga,
+                                                         int64_t gb, const act_block *const *x, int tile, float *out,
+                                                         int64_t ldo) {
+    const int64_t supers = k / QK_K, group_bytes = llorch_group_bytes(type), span = supers * group_bytes;
+    if (type == T_Q4_K_R8) {
+        q4_k_pair(supers, group_bytes, w + ga * span, w + gb * span, x, tile, out + ROWS * ga, out + ROWS * gb, ldo);
+    } else {
+        q6_k_pair(supers, group_bytes, w + ga * span, w + gb * span, x, tile, out + ROWS * ga, out + ROWS * gb, ldo);
+    }
 }
 
 #define BY_TILE(call_with_tile)            \
@@ -247,18 +235,12 @@ static inline __attribute__((always_inline)) void k_blocks(int type, const uint8
         default: call_with_tile(TILE); break; \
     }
 
-void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x,
-                             int tile, float *out, int64_t ldo, int ahead) {
-/* `ahead` as a constant in each inlined copy: a flag tested inside the loops cost the
- * compute-bound prompt tiles a few percent. */
-#define Q8(n) ahead ? small_blocks(T_Q8_0_R8, w, k, j0, j1, x, n, out, ldo, 1) \
-                    : small_blocks(T_Q8_0_R8, w, k, j0, j1, x, n, out, ldo, 0)
-#define Q5(n) ahead ? small_blocks(T_Q5_0_R8, w, k, j0, j1, x, n, out, ldo, 1) \
-                    : small_blocks(T_Q5_0_R8, w, k, j0, j1, x, n, out, ldo, 0)
-#define Q4K(n) ahead ? k_blocks(T_Q4_K_R8, w, k, j0, j1, x, n, out, ldo, 1) \
-                     : k_blocks(T_Q4_K_R8, w, k, j0, j1, x, n, out, ldo, 0)
-#define Q6K(n) ahead ? k_blocks(T_Q6_K_R8, w, k, j0, j1, x, n, out, ldo, 1) \
-                     : k_blocks(T_Q6_K_R8, w, k, j0, j1, x, n, out, ldo, 0)
+void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
+                               const act_block *const *x, int tile, float *out, int64_t ldo) {
+#define Q8(n) small_blocks(T_Q8_0_R8, w, k, ga, gb, x, n, out, ldo)
+#define Q5(n) small_blocks(T_Q5_0_R8, w, k, ga, gb, x, n, out, ldo)
+#define Q4K(n) k_blocks(T_Q4_K_R8, w, k, ga, gb, x, n, out, ldo)
+#define Q6K(n) k_blocks(T_Q6_K_R8, w, k, ga, gb, x, n, out, ldo)
     switch (type) {
         case T_Q8_0_R8: BY_TILE(Q8); break;
         case T_Q5_0_R8: BY_TILE(Q5); break;
@@ -268,8 +250,8 @@ void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, 
 }
 #else
 /* Without VNNI no matrix is interleaved (llorch_repacked_type), so this is never called. */
-void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x,
-                             int tile, float *out, int64_t ldo, int ahead) {
-    (void)type; (void)w; (void)k; (void)j0; (void)j1; (void)x; (void)tile; (void)out; (void)ldo; (void)ahead;
+void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
+                               const act_block *const *x, int tile, float *out, int64_t ldo) {
+    (void)type; (void)w; (void)k; (void)ga; (void)gb; (void)x; (void)tile; (void)out; (void)ldo;
 }
 #endif

@@ -178,16 +178,15 @@ int llorch_repacked_type(int type, int64_t rows);
 int64_t llorch_group_bytes(int type);
 int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k);
 
-/* Their kernels (interleaved.c): weight rows [j0, j1) (whole groups) against `tile` (1..4)
- * activation rows, into out[t * ldo + j]. `ahead`: the first pass over these weight rows, so
- * ask memory for the bytes that follow them too (prefetch_ahead in simd.h); later passes
- * find them in cache. */
-void llorch_interleaved_rows(int type, const uint8_t *w, int64_t k, int64_t j0, int64_t j1, const act_block *const *x,
-                             int tile, float *out, int64_t ldo, int ahead);
+/* Their kernels (interleaved.c): the weight rows of groups ga and gb (eight rows each; gb == ga
+ * for a group computed alone) against `tile` (1..4) activation rows, into out[t * ldo + j]. */
+void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
+                               const act_block *const *x, int tile, float *out, int64_t ldo);
 
 /* The direct kernels (direct.c): weight rows [j0, j1) of a common block type against up to
  * four activation rows, decoded in registers, into out[t * ldo + j]; 0 for other types.
- * `ahead` as for the interleaved kernels. */
+ * `ahead`: the first pass over these weight rows, so ask memory for the bytes that follow them
+ * too (prefetch_ahead in simd.h); later passes find them in cache. */
 int llorch_has_direct(int type);
 int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
                        const act_block *const *x, int tile, float *out, int64_t ldo, int ahead);

@@ -121,6 +121,15 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
         const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
         const int is_float = is_float_type(W->type), is_signed = W->type == T_Q8_0;
         const int interleaved = W->type > REPACKED, direct = llorch_has_direct(W->type);
+        /* Interleaved: chunk `unit` is groups unit and unit + half (eight rows each; a last odd group
+         * alone), so that a thread's consecutive chunks read two long runs of bytes, which the hardware
+         * prefetchers follow, instead of two short runs per chunk (groups 2u and 2u + 1, restarting
+         * every 18 KiB on a 2048-wide matrix). Measured decoding (one stream, two threads, Zen 4, same
+         * process alternating): the 1.1B file 35.8 -> 45.8 tok/s (gate and up 22 -> 31 GB/s), the 3B
+         * file 13.1 -> 15.7. Asking for the bytes ahead in software, every line or only each run's
+         * first ones, was slower than leaving it to the prefetchers here. */
+        const int64_t half = n / 8 / 2, unit = c - first_chunk[which];
+        const int64_t ga = unit < half ? unit : 2 * half, gb = unit < half ? unit + half : ga;
         float *out = outs[which];
         unpacked_row u = scratch_row(is_float || direct ? QK : k);
         if (u.v == NULL) continue;
@@ -131,7 +140,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
                     const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
                     const act_block *rows[DIRECT_TILE];
                     for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
-                    llorch_interleaved_rows(W->type, W->data, k, j0, j1, rows, tile, out + i * n, n, i == 0);
+                    llorch_interleaved_groups(W->type, W->data, k, ga, gb, rows, tile, out + i * n, n);
                 }
                 continue;
             }
