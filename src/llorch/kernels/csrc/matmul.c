@@ -111,7 +111,10 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
     for (int i = 0; i < count; i++) first_chunk[i + 1] = first_chunk[i] + (mats[i].rows + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t k = mats[0].cols, blocks = k / QK;
 #ifdef _OPENMP
-#pragma omp for schedule(static)
+/* Guided: each thread first takes a long run of chunks, then ever shorter ones, so the thread
+ * that memory serves faster takes more instead of waiting at the barrier for the other. Measured
+ * decoding the 1.1B file (two threads, Zen 4, same process alternating): 38.5 -> 42.9 tok/s. */
+#pragma omp for schedule(guided, 8)
 #endif
     for (int64_t c = 0; c < first_chunk[count]; c++) {
         int which = 0;
