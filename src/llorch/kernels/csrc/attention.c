@@ -171,6 +171,18 @@ void llorch_attend_chunk(const float *q_row, const float *keys, const float *val
         key_of[p] = keys + slots[first + p] * stride + g * head_dim;
         value_of[p] = values + slots[first + p] * stride + g * head_dim;
     }
+    /* Every key and value of the chunk asked for into L2 at once: one head's rows lie a whole KV row
+     * apart (all the heads' values of a position are together), a pattern the prefetchers barely
+     * follow, and in decode they come from memory (the weights read since pushed them out of the
+     * cache). The loops below still ask AHEAD positions ahead into L1. Measured per work item from
+     * memory (1.1B's shape, one thread, Zen 4): 15.9 -> 12.4 us; the 1.1B file's attention at
+     * 512 positions 2.4 -> 2.05 ms per token. */
+    for (int64_t p = 0; p < count; p++) {
+        for (int64_t i = 0; i < head_dim; i += 16) {
+            __builtin_prefetch(key_of[p] + i, 0, 2);
+            __builtin_prefetch(value_of[p] + i, 0, 2);
+        }
+    }
     for (int64_t p = 0; p < count && p < AHEAD; p++) prefetch_floats(key_of[p], head_dim);
     /* scores[p * group + h] = scale * q_h . key_p */
     int64_t u = 0;
