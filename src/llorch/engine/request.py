@@ -146,6 +146,9 @@ class TokenText(Event):
 
     type: ClassVar[str] = "token"
 
+    def to_dict(self) -> dict[str, Any]:  # the one event per token: built directly, not through asdict's copies
+        return {"type": "token", "t": self.t, "i": self.i}
+
 
 @dataclass(frozen=True)
 class TokenLogprob(Event):
