@@ -14,6 +14,7 @@
 #include "simd.h"
 
 #define ROW_CHUNK 16  /* weight rows per scheduling unit */
+_Static_assert(ROW_CHUNK == 2 * 8, "an interleaved matrix's chunk is two groups of eight rows (units below)");
 #define ACT_TILE 64   /* activation rows read against one unpacked weight row before moving on */
 #define DIRECT_TILE 4 /* activation rows the direct kernels take at once (direct.c) */
 
