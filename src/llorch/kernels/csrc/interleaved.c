@@ -36,6 +36,19 @@ static inline __m512i two_steps(const uint8_t *a, const uint8_t *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
+/* Four activation bytes read as one 32-bit value (an act_block's q is int8_t). */
+typedef int32_t __attribute__((may_alias)) four_bytes;
+
+/* acc + the dots of w's unsigned bytes with the four signed bytes at `four`, broadcast to every
+ * lane. Written so that the broadcast is the dot instruction's own memory operand ({1to16}):
+ * the compiler emitted a separate broadcast before every dot. Same instruction, same bits.
+ * Measured on Q4_K 5632 x 2048 in cache (two threads, Zen 4): 4 activation rows 30.3 -> 34.8
+ * GB/s of weights, 16 rows 8.3 -> 9.5, 32 rows 3.1 -> 3.5. */
+static inline __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t *four) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const four_bytes *)four));
+    return acc;
+}
+
 /* Lanes 0-7 are group a's rows, 8-15 group b's (not stored when a group ran alone, as both halves). */
 static inline void store_pair(float *out_a, float *out_b, __m512 v) {
     _mm256_storeu_ps(out_a, _mm512_castps512_ps256(v));
@@ -77,11 +90,8 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
             const act_block *a = x[t] + b;
             __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
             for (int c = 0; c < 8; c += 2) {
-                int32_t e, o;
-                memcpy(&e, a->q + 4 * c, 4);
-                memcpy(&o, a->q + 4 * (c + 1), 4);
-                even = _mm512_dpbusd_epi32(even, v[c], _mm512_set1_epi32(e));
-                odd = _mm512_dpbusd_epi32(odd, v[c + 1], _mm512_set1_epi32(o));
+                even = dot_broadcast(even, v[c], a->q + 4 * c);
+                odd = dot_broadcast(odd, v[c + 1], a->q + 4 * (c + 1));
             }
             const __m512i lanes = _mm512_add_epi32(even, odd);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(d, _mm512_set1_ps(a->d)), acc[t]);
@@ -120,11 +130,8 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
                 const __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
                 for (int t = 0; t < tile; t++) {
                     const act_block *first = x[t] + s * 8 + 2 * p;
-                    int32_t four_lo, four_hi;
-                    memcpy(&four_lo, first->q + 4 * step, 4);
-                    memcpy(&four_hi, (first + 1)->q + 4 * step, 4);
-                    even[t] = _mm512_dpbusd_epi32(even[t], lo, _mm512_set1_epi32(four_lo));
-                    odd[t] = _mm512_dpbusd_epi32(odd[t], hi, _mm512_set1_epi32(four_hi));
+                    even[t] = dot_broadcast(even[t], lo, first->q + 4 * step);
+                    odd[t] = dot_broadcast(odd[t], hi, (first + 1)->q + 4 * step);
                 }
             }
             __m512 scale[2], min[2];  /* sub-blocks 2p and 2p + 1, converted here: fewer registers held */
@@ -190,10 +197,8 @@ static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int6
                 const act_block *a = x[t] + s * 8 + b;
                 __m512i first = _mm512_set1_epi32(-32 * a->sum[0]), second = _mm512_set1_epi32(-32 * a->sum[1]);
                 for (int c = 0; c < 8; c++) {
-                    int32_t four;
-                    memcpy(&four, a->q + 4 * c, 4);
-                    if (c < 4) first = _mm512_dpbusd_epi32(first, v[c], _mm512_set1_epi32(four));
-                    else second = _mm512_dpbusd_epi32(second, v[c], _mm512_set1_epi32(four));
+                    if (c < 4) first = dot_broadcast(first, v[c], a->q + 4 * c);
+                    else second = dot_broadcast(second, v[c], a->q + 4 * c);
                 }
                 const __m512i both = _mm512_add_epi32(_mm512_mullo_epi32(first, scale0), _mm512_mullo_epi32(second, scale1));
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_set1_ps(a->d), acc[t]);
