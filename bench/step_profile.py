@@ -29,6 +29,7 @@ from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.host import physical_cores
 from llorch.kernels import build as kernels
+from llorch.kernels.blocks import row_bytes
 from llorch.weights.native_loader import load_native
 from speed import cpu_flags, memory_bandwidth_gb_s
 
@@ -54,10 +55,8 @@ def take(lib: ctypes.CDLL) -> np.ndarray:
 
 
 def projection_bytes(native: object) -> dict[str, int]:
-    lib = kernels.library()
-
     def size(matrix: object) -> int:
-        return int(lib.llorch_row_bytes(matrix.type % 1000, matrix.cols)) * matrix.rows  # type: ignore[attr-defined]
+        return row_bytes(matrix.type, matrix.cols) * matrix.rows  # type: ignore[attr-defined]
 
     sizes = {phase: sum(size(getattr(layer, name)) for layer in native.layers for name in names)  # type: ignore[attr-defined]
              for phase, names in PROJECTIONS.items()}

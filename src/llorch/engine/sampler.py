@@ -73,8 +73,8 @@ class SamplerState:
         self.eos: Array | None = None
         self.eos_list: list[int] = []  # the same ids, to look a token up in
         if params.min_tokens > 0 and eos_ids:
-            self.eos = arrays.ids(sorted(eos_ids), device)
             self.eos_list = sorted(eos_ids)
+            self.eos = arrays.ids(self.eos_list, device)
 
     @property
     def eos_blocked(self) -> bool:
