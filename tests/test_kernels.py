@@ -87,6 +87,21 @@ def test_activation_blocks_keep_the_largest_value_and_round_to_nearest(lib) -> N
     assert bool(((again - x).abs().reshape(4, 3, 32) <= maxima / 127 / 2 * (1 + 1e-5)).all())
 
 
+def test_every_variant_quantizes_activations_to_the_same_bytes(lib) -> None:  # type: ignore[no-untyped-def]
+    """The vector quantizers round as the portable one does, ties included, so variants agree."""
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(11)) * torch.logspace(-3, 2, 256)
+    x[0] = torch.arange(256).float().remainder(32) - 15.5  # block max 16.5 -> scale 127/16.5: ties
+    x[1, :32] = torch.tensor([127.0, -0.5, 0.5, -1.5, 1.5, 2.5, -2.5, *range(-12, 13)])  # scale 1: exact ties
+    x[2, 32:64] = 0.0  # an all-zero block
+
+    def raw(library) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        out = torch.zeros(6 * 256 // blocks.ACT_BLOCK * blocks.ACT_BLOCK_BYTES, dtype=torch.uint8)
+        library.llorch_quantize_rows(x.data_ptr(), 6, 256, out.data_ptr())
+        return out
+
+    assert torch.equal(raw(lib), raw(build.load_variant("portable")))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
     """Decoding jobs batched together, or a prompt chunk's rows, get the numbers each gets alone."""

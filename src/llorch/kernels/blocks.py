@@ -19,7 +19,7 @@ from llorch.kernels.rows import address
 if TYPE_CHECKING:
     from torch import Tensor
 
-ACT_BLOCK_BYTES = 40  # one quantized activation block: float scale, two int16 sums, 32 int8 values
+ACT_BLOCK_BYTES = 44  # one quantized activation block: float scale, scale times sum, two int16 sums, 32 int8 values
 ACT_BLOCK = 32
 
 # The GGUF types the kernels read in place (every other type is refused when the file loads).
@@ -64,7 +64,7 @@ def quantize_activations(x: Tensor, lib: ctypes.CDLL | None = None) -> Tensor:
     (lib or library()).llorch_quantize_rows(x.data_ptr(), m, k, raw.data_ptr())
     blocks = raw.view(m * k // ACT_BLOCK, ACT_BLOCK_BYTES)
     scales = blocks[:, :4].contiguous().view(torch.float32)
-    values = blocks[:, 8:].contiguous().view(torch.int8).float()
+    values = blocks[:, 12:].contiguous().view(torch.int8).float()
     return (values * scales).reshape(m, k)
 
 

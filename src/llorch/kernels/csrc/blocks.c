@@ -294,31 +294,77 @@ void llorch_dequantize_row(int type, const uint8_t *row, int64_t k, float *out) 
     }
 }
 
+#ifndef LLORCH_AVX2
+/* One block of 32 activation values -> its int8 values, scale and sums (the vector form below
+ * reproduces it bit for bit: the same float operations, rounding and clamping). */
+static void quantize_block(const float *src, act_block *dst) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) {
+        const float a = src[j] < 0 ? -src[j] : src[j];
+        amax = a > amax ? a : amax;
+    }
+    const float d = amax / 127.0f, inverse = amax > 0 ? 127.0f / amax : 0.0f;
+    int sum0 = 0, sum1 = 0;
+    for (int j = 0; j < QK; j++) {
+        const float scaled = src[j] * inverse;
+        int q = (int)(scaled < 0 ? scaled - 0.5f : scaled + 0.5f);
+        q = q > 127 ? 127 : (q < -127 ? -127 : q);
+        dst->q[j] = (int8_t)q;
+        if (j < 16) sum0 += q; else sum1 += q;
+    }
+    dst->d = d;
+    dst->dsum = d * (float)(sum0 + sum1);
+    dst->sum[0] = (int16_t)sum0;
+    dst->sum[1] = (int16_t)sum1;
+}
+#else
+/* Why vectors: a step quantizes every projection's input rows; done a value at a time this was
+ * 5.5 of 156 ms of a 32-row step of the 1.1B file (two threads, Zen 4). */
+static void quantize_block_avx2(const float *src, act_block *dst) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm256_loadu_ps(src + 8 * c);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[c]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f, inverse = amax > 0 ? 127.0f / amax : 0.0f;
+    const __m256 scale = _mm256_set1_ps(inverse);
+    __m256i q[4];
+    for (int c = 0; c < 4; c++) {
+        const __m256 scaled = _mm256_mul_ps(v[c], scale);
+        const __m256 rounded = _mm256_add_ps(scaled, _mm256_or_ps(_mm256_and_ps(scaled, sign), half));
+        const __m256i truncated = _mm256_cvttps_epi32(rounded);  /* after +-0.5: ties away from zero */
+        q[c] = _mm256_max_epi32(_mm256_min_epi32(truncated, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+    }
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)dst->q, bytes);
+    const __m256i halves = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const __m128i both = _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+    const __m128i summed = _mm_hadd_epi32(both, both);  /* lanes: values 0-15, 16-31, ... */
+    const int sum0 = _mm_cvtsi128_si32(summed), sum1 = _mm_extract_epi32(summed, 1);
+    dst->d = d;
+    dst->dsum = d * (float)(sum0 + sum1);
+    dst->sum[0] = (int16_t)sum0;
+    dst->sum[1] = (int16_t)sum1;
+}
+#endif
+
 /* Activation rows -> int8 blocks of 32 with a float scale (largest |x| maps to 127) and the
  * sums of each half's values. Rounding is to nearest, ties away from zero. */
 void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out) {
     const int64_t blocks = k / QK;
     for (int64_t i = 0; i < m; i++) {
         for (int64_t b = 0; b < blocks; b++) {
-            const float *src = x + i * k + b * QK;
-            act_block *dst = out + i * blocks + b;
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) {
-                const float a = src[j] < 0 ? -src[j] : src[j];
-                amax = a > amax ? a : amax;
-            }
-            const float d = amax / 127.0f, inverse = amax > 0 ? 127.0f / amax : 0.0f;
-            int sum0 = 0, sum1 = 0;
-            for (int j = 0; j < QK; j++) {
-                const float scaled = src[j] * inverse;
-                int q = (int)(scaled < 0 ? scaled - 0.5f : scaled + 0.5f);
-                q = q > 127 ? 127 : (q < -127 ? -127 : q);
-                dst->q[j] = (int8_t)q;
-                if (j < 16) sum0 += q; else sum1 += q;
-            }
-            dst->d = d;
-            dst->sum[0] = (int16_t)sum0;
-            dst->sum[1] = (int16_t)sum1;
+#ifdef LLORCH_AVX2
+            quantize_block_avx2(x + i * k + b * QK, out + i * blocks + b);
+#else
+            quantize_block(x + i * k + b * QK, out + i * blocks + b);
+#endif
         }
     }
 }

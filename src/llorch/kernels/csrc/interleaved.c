@@ -95,7 +95,7 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
             }
             const __m512i lanes = _mm512_add_epi32(even, odd);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(d, _mm512_set1_ps(a->d)), acc[t]);
-            offsets[t] = _mm512_fmadd_ps(shift, _mm512_set1_ps(a->d * (float)(a->sum[0] + a->sum[1])), offsets[t]);
+            offsets[t] = _mm512_fmadd_ps(shift, _mm512_set1_ps(a->dsum), offsets[t]);
         }
     }
     for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, _mm512_sub_ps(acc[t], offsets[t]));
@@ -147,10 +147,8 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
                                          _mm512_mul_ps(scale[0], _mm512_set1_ps(first->d)), acc[t]);
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd[t]),
                                          _mm512_mul_ps(scale[1], _mm512_set1_ps(second->d)), acc[t]);
-                mins[t] = _mm512_fmadd_ps(min[0], _mm512_set1_ps(first->d * (float)(first->sum[0] + first->sum[1])),
-                                          mins[t]);
-                mins[t] = _mm512_fmadd_ps(min[1],
-                                          _mm512_set1_ps(second->d * (float)(second->sum[0] + second->sum[1])), mins[t]);
+                mins[t] = _mm512_fmadd_ps(min[0], _mm512_set1_ps(first->dsum), mins[t]);
+                mins[t] = _mm512_fmadd_ps(min[1], _mm512_set1_ps(second->dsum), mins[t]);
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)gb),
