@@ -30,7 +30,8 @@ def english_text() -> str:
 
 def log_probs(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Log-softmax of the model's logits at every position of `ids` (one prompt pass)."""
-    cache = allocate_kv(loaded.config, len(ids), loaded.dtype, torch.device("cpu"), zeroed=True)
+    dtype = torch.float16 if loaded.native is not None else loaded.dtype  # the C step keeps float16 keys and values
+    cache = allocate_kv(loaded.config, len(ids), dtype, torch.device("cpu"), zeroed=True)
     step = contiguous_step(loaded.config, 0, len(ids), torch.device("cpu"), last_only=False)
     with torch.inference_mode():
         logits = loaded.model(torch.tensor(ids), step, cache)

@@ -52,7 +52,8 @@ import models
 import speculative
 import streams
 from launch import free_port, start_server, stop
-from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
+from llorch.engine.factory import kv_dtype
+from llorch.engine.kv.pool import BLOCK_SIZE, HOST_KV_DTYPE, bytes_per_block
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.host import cpuinfo, physical_cores
 from llorch.kernels import build as kernels
@@ -94,9 +95,9 @@ def timed_greedy(prefill: Callable[[], int], step: Callable[[int, int], int]) ->
 # -- in-process engines ------------------------------------------------------------------------------
 def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
     tokens = PROMPT_TOKENS + DECODE_TOKENS + 1
-    pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, loaded.dtype)
+    pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, kv_dtype(loaded))
     native = loaded.native  # the worker's runner: the C step on host arrays, where it runs
-    runner = (ModelRunner(native, None, np.dtype(np.float32), pool) if native is not None
+    runner = (ModelRunner(native, None, HOST_KV_DTYPE, pool) if native is not None
               else ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, pool))
     blocks = list(range(1, runner.kv.num_blocks))
 
@@ -218,7 +219,7 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
                                   "llama.cpp": sum(t.nbytes for t in GGUFFile(model).tensors.values())}
     # The KV pool of the concurrency worker holds as many tokens as llama-server's slots (its
     # default budget would hold fewer of a large model's tokens, and jobs would wait for blocks).
-    kv_block_bytes = bytes_per_block(served.config, served.dtype)
+    kv_block_bytes = bytes_per_block(served.config, kv_dtype(served))
     print(f"{label}: {model.name}", flush=True)
 
     def in_process(loaded: LoadedModel) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 
 import llama_build
 import models
-from llorch.engine.kv.pool import BLOCK_SIZE, bytes_per_block
+from llorch.engine.kv.pool import BLOCK_SIZE, HOST_KV_DTYPE, bytes_per_block
 from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.host import physical_cores
 from llorch.kernels import build as kernels
@@ -70,7 +70,7 @@ def ours(path: Path, contexts: list[int], steps: int, lib: ctypes.CDLL) -> dict[
     native = loaded.native
     native.lib = lib  # the same model description, run by the profiling build
     pool = (max(contexts) + steps + 8) // BLOCK_SIZE + 3
-    runner = ModelRunner(native, None, np.dtype(np.float32), pool * bytes_per_block(loaded.config, loaded.dtype))
+    runner = ModelRunner(native, None, HOST_KV_DTYPE, pool * bytes_per_block(loaded.config, HOST_KV_DTYPE))
     blocks = list(range(1, runner.kv.num_blocks))
     prompt = [i % 1000 + 100 for i in range(max(contexts))]
     results = {}

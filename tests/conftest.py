@@ -204,21 +204,24 @@ def exported(zoo: dict[str, Path], arch: str, qtype: GGMLQuantizationType) -> Pa
     return path
 
 
-def new_cache(loaded: LoadedModel, capacity: int) -> list[LayerKV]:
-    """An empty KV cache of `capacity` slots on the model's device, in its compute dtype."""
-    return allocate_kv(loaded.config, capacity, loaded.dtype, model_device(loaded), zeroed=True)
+def new_cache(loaded: LoadedModel, capacity: int, dtype: torch.dtype | None = None) -> list[LayerKV]:
+    """An empty KV cache of `capacity` slots on the model's device: in `dtype`, by default float16
+    where the C step computes the model (the form it keeps keys and values in), else the compute dtype."""
+    dtype = dtype or (torch.float16 if loaded.native is not None else loaded.dtype)
+    return allocate_kv(loaded.config, capacity, dtype, model_device(loaded), zeroed=True)
 
 
 def model_device(loaded: LoadedModel) -> torch.device:
     return loaded.model.embed_tokens.weight.device
 
 
-def all_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """Float32 logits on the CPU for every position of `ids`, straight from the decoder."""
+def all_logits(loaded: LoadedModel, ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Float32 logits on the CPU for every position of `ids`, straight from the decoder (its KV cache
+    as new_cache makes it)."""
     device = model_device(loaded)
     step = contiguous_step(loaded.config, 0, len(ids), device, last_only=False)
     with torch.inference_mode():
-        logits = loaded.model(torch.tensor(ids, device=device), step, new_cache(loaded, len(ids)))
+        logits = loaded.model(torch.tensor(ids, device=device), step, new_cache(loaded, len(ids), kv_dtype))
     return logits.float().cpu()
 
 

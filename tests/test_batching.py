@@ -31,6 +31,7 @@ from llorch.api.app import create_app
 from llorch.api.state import WorkerState
 from llorch.engine.engine import Engine
 from llorch.engine.errors import QueueFull
+from llorch.engine.factory import kv_dtype
 from llorch.engine.kv.blocks import BlockAllocator
 from llorch.engine.kv.pool import bytes_per_block
 from llorch.engine.request import GenerationRequest, SamplingParams
@@ -147,7 +148,7 @@ def test_bounded_stress_every_job_ends_once_and_the_pool_empties(tiny: LoadedMod
     """A pool too small for everyone (preemption), a short queue (QueueFull), random cancels."""
     rng = random.Random(7)
     # 24 blocks of 16 tokens: six jobs of up to ~100 tokens cannot all fit at once.
-    engine = make_engine(tiny, max_running=6, kv_cache_bytes=25 * bytes_per_block(tiny.config, torch.float32),
+    engine = make_engine(tiny, max_running=6, kv_cache_bytes=25 * bytes_per_block(tiny.config, kv_dtype(tiny)),
                          max_queue=6, max_batch_tokens=32)
     words = ["the", "a", "of", "to", "is", "and", "in", "e", "t"]
     accepted: dict[str, Job] = {}
@@ -249,8 +250,8 @@ def test_rope_positions_follow_the_block_table_not_the_slot(ours: LoadedModel) -
 
 def tiny_client(loaded: LoadedModel, kv_blocks: int, **config: int) -> tuple[TestClient, Engine]:
     """The app over an engine whose loop is not started: submitted jobs stay queued."""
-    engine = make_engine(loaded, start=False, kv_cache_bytes=kv_blocks * bytes_per_block(loaded.config, torch.float32),
-                         **config)
+    block = bytes_per_block(loaded.config, kv_dtype(loaded))
+    engine = make_engine(loaded, start=False, kv_cache_bytes=kv_blocks * block, **config)
     state = WorkerState("cpu", "cpu", telemetry=engine.telemetry)
     state.attach(engine)
     return TestClient(create_app(state)), engine

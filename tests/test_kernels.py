@@ -148,12 +148,30 @@ def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtyp
                        blocks.matmul(x, layout, interleaved, lib=lib)[:, :40])
 
 
+def test_the_cache_holds_keys_and_values_as_float16_rounded_to_nearest_even(lib) -> None:  # type: ignore[no-untyped-def]
+    """The step's float16 conversion is numpy's (IEEE round to nearest even): ties, subnormals,
+    the largest finite value and overflow, in the vector body and the scalar tail alike."""
+    half_ulp = np.float32(2.0**-11)  # half a float16 step at 1.0: 1 + it ties to 1, 1 + 3 of it to 1 + 2^-9
+    edges = np.array([0.0, -0.0, 1.0, 1 + half_ulp, 1 + 3 * half_ulp, -(1 + half_ulp), 65504.0, 65519.0, 65520.0,
+                      -70000.0, 2.0**-14, 2.0**-24, 2.0**-25, 1.5 * 2.0**-24, 2.0**-26, 3e-6, np.inf, -np.inf],
+                     dtype=np.float32)
+    x = np.concatenate([edges, np.random.default_rng(7).standard_normal(61).astype(np.float32) * 300])
+    out = np.zeros(x.size, dtype=np.float16)
+    lib.llorch_to_fp16(x.ctypes.data, x.size, out.ctypes.data)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out.view(np.uint16), x.astype(np.float16).view(np.uint16))
+    nan = np.array([np.nan] * 9, dtype=np.float32)
+    lib.llorch_to_fp16(nan.ctypes.data, 9, out.ctypes.data)
+    assert np.isnan(out[:9]).all()
+
+
 @pytest.mark.parametrize(("group", "head_dim", "count"), [(8, 64, 128), (8, 64, 37), (4, 256, 77), (2, 64, 5),
                                                       (7, 64, 128), (3, 80, 50), (1, 128, 1), (5, 32, 9),
                                                       (16, 64, 40), (32, 16, 20)])
 def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group: int, head_dim: int,  # type: ignore[no-untyped-def]
                                                                      count: int) -> None:
-    """Each head's max score, weight sum and weighted values over a chunk of cached positions.
+    """Each head's max score, weight sum and weighted values over a chunk of cached positions
+    (float16 keys and values, as the cache holds them).
 
     The shapes take every path: sixteen dot products reduced at once and the rest one by one,
     values summed eight slices at a time and the rest value by value (starting inside a head
@@ -164,8 +182,8 @@ def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group
     kv_heads, g, scale, first = 3, 1, 0.125, 4
     rng = np.random.default_rng(group * 1000 + head_dim + count)
     slots_total = first + count + 10
-    keys = torch.from_numpy(rng.standard_normal((slots_total, kv_heads * head_dim), dtype=np.float32))
-    values = torch.from_numpy(rng.standard_normal((slots_total, kv_heads * head_dim), dtype=np.float32))
+    keys = torch.from_numpy(rng.standard_normal((slots_total, kv_heads * head_dim), dtype=np.float32)).half()
+    values = torch.from_numpy(rng.standard_normal((slots_total, kv_heads * head_dim), dtype=np.float32)).half()
     q = torch.from_numpy(rng.standard_normal(kv_heads * group * head_dim, dtype=np.float32))
     slots = torch.from_numpy(rng.permutation(slots_total).astype(np.int64))  # paged: any order of slots
     scores = torch.empty(group * 128, dtype=torch.float32)

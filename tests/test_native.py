@@ -65,13 +65,16 @@ def test_the_loader_without_torch_gives_the_c_step_the_torch_loader_s_weights(zo
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16], ids=lambda q: q.name)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_c_step_computes_what_the_torch_decoder_computes(zoo: dict[str, Path], arch: str, qtype: Q) -> None:
-    """Float matrices: no activation is rounded, so the two paths differ by float rounding alone."""
+    """Float matrices: no activation is rounded, and both paths keep keys and values as float16
+    (the C step's cache). They differ by float rounding, which now and then moves a key or value
+    to the neighbouring float16 (a 2^-11 relative step): measured on these models at most 5.5e-5
+    relative RMS, bounded here at 1.5e-4."""
     loaded = load_blocks(exported(zoo, arch, qtype))
     ids = loaded.tokenizer.encode(PROMPT)
     native = all_logits(loaded, ids)
     with torch_path(loaded.model):
-        reference = all_logits(loaded, ids)
-    assert float((native - reference).norm() / reference.norm()) < 1e-5
+        reference = all_logits(loaded, ids, kv_dtype=torch.float16)
+    assert float((native - reference).norm() / reference.norm()) < 1.5e-4
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
 
 
@@ -88,7 +91,7 @@ def test_with_block_matrices_the_paths_differ_by_activation_rounding_at_most(zoo
     ids = loaded.tokenizer.encode(PROMPT)
     native = all_logits(loaded, ids)
     with torch_path(loaded.model):
-        reference = all_logits(loaded, ids)
+        reference = all_logits(loaded, ids, kv_dtype=torch.float16)
     assert float((native - reference).norm() / reference.norm()) < 0.03
     assert float((native.argmax(-1) == reference.argmax(-1)).float().mean()) >= 0.9
 

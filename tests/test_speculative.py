@@ -22,6 +22,7 @@ from scipy.stats import chisquare
 
 from jobs import GREEDY, Job, make_engine, with_tokenizer
 from llorch.engine.engine import Engine
+from llorch.engine.factory import kv_dtype
 from llorch.engine.kv.pool import bytes_per_block
 from llorch.engine.request import GenerationRequest, SamplingParams
 from llorch.engine.sampler import SamplerState
@@ -207,7 +208,7 @@ def test_jobs_batched_and_preempted_keep_their_tokens(served: LoadedModel) -> No
         expected = [outcome(submit(alone, f"a{i}", p, 48)) for i, p in enumerate(prompts)]
     finally:
         alone.stop()
-    engine = make_engine(served, kv_cache_bytes=14 * bytes_per_block(served.config, torch.float32), max_running=4)
+    engine = make_engine(served, kv_cache_bytes=14 * bytes_per_block(served.config, kv_dtype(served)), max_running=4)
     try:
         jobs = [submit(engine, f"b{i}", p, 48) for i, p in enumerate(prompts)]
         assert [outcome(job) for job in jobs] == expected

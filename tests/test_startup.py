@@ -156,8 +156,9 @@ def test_context_size_beyond_the_model(tmp_path: Path) -> None:
 def test_kv_cache_budgets_that_cannot_hold_two_blocks_are_refused() -> None:
     result = run_worker_to_exit("--kv-cache-mb", "0")
     assert result.returncode == 2 and "--kv-cache-mb: must be at least 1, got 0" in result.stderr
-    # One 16-token block of the default model in float32 is 0.56 MB: 1 MB holds only one.
-    result = run_worker_to_exit("--kv-cache-mb", "1", "--dtype", "f32")
+    # One 16-token block of the default model in float32 (torch's path: the C step keeps float16) is
+    # 0.56 MB: 1 MB holds only one.
+    result = run_worker_to_exit("--kv-cache-mb", "1", "--dtype", "f32", "--dequantize")
     assert_one_line_failure(result, "--kv-cache-mb 1 is smaller than two KV blocks of this model")
 
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from llorch.engine.core import EngineCore
 from llorch.engine.engine import Engine
 from llorch.engine.grammar import Grammars
 from llorch.engine.kv.blocks import BlockAllocator
-from llorch.engine.kv.pool import BLOCK_SIZE, allocate_kv, bytes_per_block
+from llorch.engine.kv.pool import BLOCK_SIZE, HOST_KV_DTYPE, allocate_kv, bytes_per_block
 from llorch.engine.model_kinds import decoder_kind, holds_encoder, rank_tokens
 from llorch.engine.prepare import FrontDoor
 from llorch.engine.runner import ModelRunner
@@ -88,10 +88,15 @@ def load_decoder(config: EngineConfig, path: Path, device: str, kind: str,
                       hidden_states=kind == "embed")  # hidden states come from torch: no kernels to build
 
 
+def kv_dtype(model: LoadedModel) -> Any:
+    """What the model's KV pool holds: float16 host arrays for the C step, else the compute dtype."""
+    return HOST_KV_DTYPE if model.native is not None else model.dtype
+
+
 def kv_pool_bytes(config: EngineConfig, model: LoadedModel, device: str, ctx_size: int) -> int:
     """The KV pool's budget: the operator's, else a default for the device capped at max_running
     full contexts (plus the padding block)."""
-    block = bytes_per_block(model.config, model.dtype)
+    block = bytes_per_block(model.config, kv_dtype(model))
     if config.kv_cache_bytes is not None:
         budget = config.kv_cache_bytes
     else:
@@ -113,7 +118,7 @@ def model_runner(loaded: LoadedModel, device: str, pool_bytes: int) -> ModelRunn
     """The C step's runner on host arrays where it computes the model, else torch's on `device`."""
     native = loaded.native
     if native is not None:
-        return ModelRunner(native, None, np.dtype(np.float32), pool_bytes)
+        return ModelRunner(native, None, HOST_KV_DTYPE, pool_bytes)
     return ModelRunner(loaded.model, torch_device(device), loaded.dtype, pool_bytes)
 
 
@@ -209,7 +214,7 @@ def draft_speculation(config: EngineConfig, target: ModelRunner, tokenizer: Toke
                            f"model's ({len(ours)} tokens; {differing} entries differ): its guesses would be other "
                            "tokens")
     prove_finite_logits(draft, device)
-    runner = model_runner(draft, device, target.kv.num_blocks * bytes_per_block(draft.config, draft.dtype))
+    runner = model_runner(draft, device, target.kv.num_blocks * bytes_per_block(draft.config, kv_dtype(draft)))
     log.info("draft model loaded", extra={"model": draft.name, "path": str(draft.path),
                                           "weights": "gguf blocks" if draft.quantized else "dense"})
     return DraftSpeculation(runner, target.config.vocab_size, config.speculative_tokens, SPECULATIVE_MAX_ROWS)

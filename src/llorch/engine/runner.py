@@ -53,7 +53,7 @@ class ChunkInput:
 class ModelRunner:
     def __init__(self, model: Decoder | NativeDecoder, device: torch.device | None, dtype: Any,
                  kv_cache_bytes: int) -> None:
-        """`device` None runs the C step (`model` a NativeDecoder, `dtype` numpy's float32) on host arrays."""
+        """`device` None runs the C step (`model` a NativeDecoder) on host arrays (kv/pool.py's HOST_KV_DTYPE)."""
         self.model = model
         self.config = model.config
         self.device = device
@@ -64,7 +64,12 @@ class ModelRunner:
             from llorch.device import resident_module_bytes
 
             self.weight_bytes = resident_module_bytes(device, model)
-        self.kv = KVPool(self.config, device, dtype, kv_cache_bytes)
+        kv_dtype = dtype
+        if device is not None and getattr(model, "native", None) is not None:
+            import torch  # a torch decoder: torch is loaded already
+
+            kv_dtype = torch.float16  # the C step computes it (the loader attached one): its cache's form
+        self.kv = KVPool(self.config, device, kv_dtype, kv_cache_bytes)
 
     @property
     def resident_bytes(self) -> int:

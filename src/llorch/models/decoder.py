@@ -146,8 +146,8 @@ class Attention(nn.Module):
         cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        cache.keys.index_copy_(0, batch.slots, k)
-        cache.values.index_copy_(0, batch.slots, v)
+        cache.keys.index_copy_(0, batch.slots, k.to(cache.keys.dtype))
+        cache.values.index_copy_(0, batch.slots, v.to(cache.values.dtype))
 
         outputs = []
         for group in batch.groups:
@@ -159,6 +159,10 @@ class Attention(nn.Module):
             else:
                 keys = cache.keys[view.slots].transpose(1, 2)
                 values = cache.values[view.slots].transpose(1, 2)
+            # A cache kept in a narrower type than the compute dtype (the C step's float16, which the
+            # tests compare this path with) is rounded to it on writing and widened on reading;
+            # otherwise both are nothing.
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
             queries = q[group.start : group.start + group.rows].view(
                 group.batch, group.q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(

@@ -134,8 +134,8 @@ class NativeDecoder:
         if tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.vocab:
             raise IndexError(f"token id out of range for a vocabulary of {self.vocab}")
         for desc, (keys, values) in zip(self.layers, cache, strict=True):
-            if keys.dtype != np.float32 or not keys.flags.c_contiguous or not values.flags.c_contiguous:
-                raise ValueError("the C step needs a contiguous float32 KV cache")
+            if keys.dtype != np.float16 or not keys.flags.c_contiguous or not values.flags.c_contiguous:
+                raise ValueError("the C step needs a contiguous float16 KV cache")
             desc.keys, desc.values = keys.ctypes.data, values.ctypes.data
         logits = np.empty((len(layout.logit_rows), self.vocab), dtype=np.float32)
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (

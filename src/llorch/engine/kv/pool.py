@@ -4,7 +4,8 @@ The pool is cut into blocks of BLOCK_SIZE token slots; blocks.py decides which
 sequence uses which. Block 0 (NULL_BLOCK) is kept zeroed: padded attention reads it,
 so it must hold finite numbers.
 
-On the device None the pool is host numpy arrays, which the C step reads without torch.
+On the device None the pool is host numpy arrays of float16, which the C step reads without
+torch (kernels/csrc/attention.c says why float16).
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ if TYPE_CHECKING:
     import torch
 
 BLOCK_SIZE = 16  # tokens per KV block: the unit of allocation and of prefix sharing
+HOST_KV_DTYPE = np.dtype(np.float16)  # the C step's keys and values
 
 
-def host_zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """float32 zeros on anonymous 4 KB pages, resident only once touched. numpy itself asks for huge
-    pages above 4 MB, and then the first touch of each block would make 2 MB resident."""
-    size = int(np.prod(shape)) * 4
-    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=np.float32, count=size // 4).reshape(shape)
+def host_zeros(shape: tuple[int, ...], dtype: np.dtype = HOST_KV_DTYPE) -> np.ndarray:
+    """Zeros on anonymous 4 KB pages, resident only once touched. numpy itself asks for huge pages
+    above 4 MB, and then the first touch of each block would make 2 MB resident."""
+    count = int(np.prod(shape))
+    return np.frombuffer(mmap.mmap(-1, max(count * dtype.itemsize, 1)), dtype=dtype, count=count).reshape(shape)
 
 
 def allocate_kv(config: ModelConfig, slots: int, dtype: Any, device: torch.device | None,
                 zeroed: bool = False) -> list[LayerKV]:
     """Keys and values of `slots` token slots for every layer: [slots, kv_heads, head_dim] each
-    (float32 host arrays, zeroed, for the device None)."""
+    (zeroed host arrays of HOST_KV_DTYPE, whatever `dtype`, for the device None)."""
     shape = (slots, config.num_kv_heads, config.head_dim)
     if device is None:
         return [LayerKV(host_zeros(shape), host_zeros(shape)) for _ in range(config.num_layers)]
@@ -56,7 +58,7 @@ class KVPool:
     def __init__(self, config: ModelConfig, device: torch.device | None, dtype: Any, budget_bytes: int,
                  block_size: int = BLOCK_SIZE) -> None:
         self.block_size = block_size
-        self.block_bytes = bytes_per_block(config, dtype, block_size)
+        self.block_bytes = bytes_per_block(config, HOST_KV_DTYPE if device is None else dtype, block_size)
         self.num_blocks = budget_bytes // self.block_bytes
         if self.num_blocks < 2:
             raise ValueError("the KV cache budget is smaller than two blocks")

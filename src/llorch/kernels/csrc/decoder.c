@@ -174,8 +174,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 }
                 rope(qr, M->heads, HD, cos_table + r * HD, sin_table + r * HD);
                 rope(kr, M->kv_heads, HD, cos_table + r * HD, sin_table + r * HD);
-                memcpy(L->keys + S->write_slots[r] * NKV, kr, sizeof(float) * (size_t)NKV);
-                memcpy(L->values + S->write_slots[r] * NKV, vr, sizeof(float) * (size_t)NKV);
+                store_fp16(L->keys + S->write_slots[r] * NKV, kr, NKV);
+                store_fp16(L->values + S->write_slots[r] * NKV, vr, NKV);
             }
             PROFILE(PH_ROPE_CACHE);
 

@@ -81,6 +81,31 @@ static inline float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
+/* float -> float16, rounded to nearest even (as F16C's conversion rounds), overflow to infinity. */
+static inline uint16_t fp32_to_fp16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000);
+    const uint32_t magnitude = bits & 0x7fffffff;
+    if (magnitude >= 0x7f800000) /* infinity, or NaN kept quiet */
+        return (uint16_t)(sign | 0x7c00 | (magnitude > 0x7f800000 ? 0x200 | ((magnitude >> 13) & 0x3ff) : 0));
+    if (magnitude >= 0x477ff000) return (uint16_t)(sign | 0x7c00); /* rounds past 65504 */
+    if (magnitude < 0x38800000) { /* a float16 subnormal (or zero): units of 2^-24, rounded half to even */
+        if (magnitude < 0x33000000) return sign; /* at most half of the smallest subnormal */
+        const uint32_t mantissa = (magnitude & 0x7fffff) | 0x800000, shift = 126 - (magnitude >> 23);
+        const uint32_t kept = mantissa >> shift, rest = mantissa & ((1u << shift) - 1), half = 1u << (shift - 1);
+        return (uint16_t)(sign | (kept + (rest > half || (rest == half && (kept & 1)))));
+    }
+    const uint32_t rebased = magnitude - ((127 - 15) << 23), rest = rebased & 0x1fff;
+    uint32_t out = rebased >> 13;
+    out += rest > 0x1000 || (rest == 0x1000 && (out & 1)); /* a carry into the exponent is right too */
+    return (uint16_t)(sign | out);
+#endif
+}
+
 /* A little-endian 16-bit field of a block (its float16 scale, say), from any address. */
 static inline uint16_t read_u16(const uint8_t *p) {
     uint16_t v;
@@ -112,7 +137,7 @@ typedef struct {
     const float *pre_ffn_norm;    /* sandwich only: before the MLP */
     const float *post_ffn_norm;   /* sandwich only: on the MLP output */
     const float *q_norm, *k_norm; /* per-head norms, or NULL */
-    float *keys, *values;         /* [slots, kv_heads, head_dim] */
+    uint16_t *keys, *values;      /* float16 [slots, kv_heads, head_dim] */
     int32_t window;               /* attend to the last `window` positions only; 0: all */
     int32_t rope;                 /* which of the step's RoPE tables: 0 or 1 */
 } layer_desc;
@@ -195,11 +220,14 @@ int llorch_has_direct(int type);
 int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
                        const act_block *const *x, int tile, float *out, int64_t ldo, int ahead);
 
+/* n floats as the float16 the KV cache holds (attention.c; the step writes its keys and values so). */
+void llorch_to_fp16(const float *src, int64_t n, uint16_t *dst);
+
 /* Attention (attention.c) of the `group` query heads sharing KV head g, for one row, over its
- * cached positions [first, last) (at most ATTN_CHUNK): writes each head's max score, weight
- * sum and weighted values (not yet normalized) to part[group][head_dim + 2]. `scores` is
- * scratch of group * ATTN_CHUNK floats. */
-void llorch_attend_chunk(const float *q_row, const float *keys, const float *values, int64_t g, int64_t group,
+ * cached positions [first, last) (at most ATTN_CHUNK) of the float16 cache: writes each head's
+ * max score, weight sum and weighted values (not yet normalized) to part[group][head_dim + 2].
+ * `scores` is scratch of group * ATTN_CHUNK floats. */
+void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_t *values, int64_t g, int64_t group,
                          int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots, int64_t first,
                          int64_t last, float *scores, float *part);
 

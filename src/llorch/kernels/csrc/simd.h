@@ -15,8 +15,7 @@ static inline void k4_scale_min(int j, const uint8_t *q, uint8_t *scale, uint8_t
     }
 }
 
-/* a . b over n floats: one vector accumulator in order, then its reduction (attention.c
- * reproduces this order when it reduces sixteen at once). */
+/* a . b over n floats: one vector accumulator in order, then its reduction. */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     float total = 0.0f;
@@ -35,6 +34,38 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return total;
 }
 
+/* n floats at src as float16 at dst (the KV cache's form), rounded to nearest even. */
+static inline void store_fp16(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+#ifdef LLORCH_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = fp32_to_fp16(src[i]);
+}
+
+/* a . b over n values, b float16: dot_f32's order, so that attention.c's sixteen-at-once path
+ * gives the same bits. */
+static inline float dot_f32_f16(const float *a, const uint16_t *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + i))), acc);
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(LLORCH_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i))), acc);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+#endif
+    for (; i < n; i++) total += a[i] * fp16_to_fp32(b[i]);
+    return total;
+}
+
 /* Asks for the `bytes` that lie PREFETCH_AHEAD past `p`. Why: the hardware prefetchers stop
  * at each 4 KiB page, so a kernel streaming weights from memory stalls at every new page;
  * asking ahead keeps memory busy while the current bytes are computed on. Measured streaming
@@ -46,9 +77,9 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + PREFETCH_AHEAD + line, 0, 3);
 }
 
-/* Asks for the cache lines of n floats from p (a key or value row read soon). */
-static inline void prefetch_floats(const float *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+/* Asks for the cache lines of n float16 values from p (a key or value row read soon). */
+static inline void prefetch_halves(const uint16_t *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(p + i, 0, 3);
 }
 
 #ifdef LLORCH_AVX2
