@@ -56,19 +56,23 @@ static inline void store_pair(float *out_a, float *out_b, __m512 v) {
 }
 
 /* Q8_0_R8 and Q5_0_R8, the groups at wa and wb (per 32-value block): steps v[0..8) of unsigned
- * values w + offset, the offset taken back out with the activation sums. */
+ * values w + offset, the offset taken back out in integers (each block's dot starts at -offset
+ * times its activation sum), so every block's dot is exact and scaled once. Why: subtracting it
+ * in float cost one multiply-add per block and row beside the eight dots, and took the difference
+ * of two large sums. Measured on the default model's vocabulary projection (Q8_0 262144 x 640, two
+ * threads, Zen 4):
+ * 16 / 32 activation rows 162 -> 185 / 171 -> 184 GMAC/s, one row 31 -> 33. */
 static inline __attribute__((always_inline)) void small_blocks_pair(int type, int64_t blocks, int64_t group_bytes,
-                                                                  float offset, const uint8_t *wa, const uint8_t *wb,
+                                                                  int32_t offset, const uint8_t *wa, const uint8_t *wb,
                                                                   const act_block *const *x, int tile, float *out_a,
                                                                   float *out_b, int64_t ldo) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512 acc[TILE], offsets[TILE];
-    for (int t = 0; t < tile; t++) acc[t] = offsets[t] = _mm512_setzero_ps();
+    __m512 acc[TILE];
+    for (int t = 0; t < tile; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *ga = wa + b * group_bytes, *gb = wb + b * group_bytes;
         const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)gb),
                                                           _mm_loadu_si128((const __m128i *)ga)));
-        const __m512 shift = _mm512_mul_ps(d, _mm512_set1_ps(offset));
         __m512i v[8];
         if (type == T_Q8_0_R8) {
             for (int c = 0; c < 8; c++) v[c] = two_steps(ga + 16 + 32 * c, gb + 16 + 32 * c);
@@ -88,17 +92,16 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
         }
         for (int t = 0; t < tile; t++) {
             const act_block *a = x[t] + b;
-            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            __m512i even = _mm512_set1_epi32(-offset * (a->sum[0] + a->sum[1])), odd = _mm512_setzero_si512();
             for (int c = 0; c < 8; c += 2) {
                 even = dot_broadcast(even, v[c], a->q + 4 * c);
                 odd = dot_broadcast(odd, v[c + 1], a->q + 4 * (c + 1));
             }
             const __m512i lanes = _mm512_add_epi32(even, odd);
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_mul_ps(d, _mm512_set1_ps(a->d)), acc[t]);
-            offsets[t] = _mm512_fmadd_ps(shift, _mm512_set1_ps(a->dsum), offsets[t]);
         }
     }
-    for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, _mm512_sub_ps(acc[t], offsets[t]));
+    for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, acc[t]);
 }
 
 /* Q4_K_R8, the groups at wa and wb (per super-block of 256):
@@ -213,7 +216,7 @@ static inline __attribute__((always_inline)) void small_blocks(int type, const u
                                                              int64_t gb, const act_block *const *x, int tile,
                                                              float *out, int64_t ldo) {
     const int64_t blocks = k / QK, group_bytes = llorch_group_bytes(type), span = blocks * group_bytes;
-    const float offset = type == T_Q8_0_R8 ? 128.0f : 16.0f;
+    const int32_t offset = type == T_Q8_0_R8 ? 128 : 16;
     small_blocks_pair(type, blocks, group_bytes, offset, w + ga * span, w + gb * span, x, tile, out + ROWS * ga,
                       out + ROWS * gb, ldo);
 }
