@@ -26,11 +26,12 @@ BLOCK_SIZE = 16  # tokens per KV block: the unit of allocation and of prefix sha
 HOST_KV_DTYPE = np.dtype(np.float16)  # the C step's keys and values
 
 
-def host_zeros(shape: tuple[int, ...], dtype: np.dtype = HOST_KV_DTYPE) -> np.ndarray:
-    """Zeros on anonymous 4 KB pages, resident only once touched. numpy itself asks for huge pages
-    above 4 MB, and then the first touch of each block would make 2 MB resident."""
+def host_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """HOST_KV_DTYPE zeros on anonymous 4 KB pages, resident only once touched. numpy itself asks for
+    huge pages above 4 MB, and then the first touch of each block would make 2 MB resident."""
     count = int(np.prod(shape))
-    return np.frombuffer(mmap.mmap(-1, max(count * dtype.itemsize, 1)), dtype=dtype, count=count).reshape(shape)
+    return np.frombuffer(mmap.mmap(-1, max(count * HOST_KV_DTYPE.itemsize, 1)), dtype=HOST_KV_DTYPE,
+                         count=count).reshape(shape)
 
 
 def allocate_kv(config: ModelConfig, slots: int, dtype: Any, device: torch.device | None,

@@ -37,8 +37,8 @@ enum gguf_type {
 
 /* An activation row quantized for the integer dot: per 32 values, a float scale, the sums
  * of each half's values (for the weights' offsets) and the int8 values. `dsum` is
- * d * (sum[0] + sum[1]), the product the interleaved kernels scale a block's offset by: made
- * once here rather than once per group of weight rows. Measured on the Q4_K kernel (5632 x 2048
+ * d * (sum[0] + sum[1]), the product the interleaved Q4_K kernel scales a sub-block's minimum
+ * by: made once here rather than once per group of weight rows. Measured on the Q4_K kernel (5632 x 2048
  * in cache, two threads, Zen 4, 16 / 32 activation rows): 246 -> 255 / 254 -> 271 GMAC/s. */
 typedef struct {
     float d;

@@ -44,28 +44,6 @@ static inline void store_fp16(uint16_t *dst, const float *src, int64_t n) {
     for (; i < n; i++) dst[i] = fp32_to_fp16(src[i]);
 }
 
-/* a . b over n values, b float16: dot_f32's order, so that attention.c's sixteen-at-once path
- * gives the same bits. */
-static inline float dot_f32_f16(const float *a, const uint16_t *b, int64_t n) {
-    int64_t i = 0;
-    float total = 0.0f;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + i))), acc);
-    total = _mm512_reduce_add_ps(acc);
-#elif defined(LLORCH_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i))), acc);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    total = _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
-#endif
-    for (; i < n; i++) total += a[i] * fp16_to_fp32(b[i]);
-    return total;
-}
-
 /* Asks for the `bytes` that lie PREFETCH_AHEAD past `p`. Why: the hardware prefetchers stop
  * at each 4 KiB page, so a kernel streaming weights from memory stalls at every new page;
  * asking ahead keeps memory busy while the current bytes are computed on. Measured streaming
@@ -120,5 +98,25 @@ static inline __m256i bits_to_bit4(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select), _mm256_set1_epi8(0x10));
 }
 #endif
+
+/* a . b over n values, b float16: dot_f32's order, so that attention.c's sixteen-at-once path
+ * gives the same bits. */
+static inline float dot_f32_f16(const float *a, const uint16_t *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + i))), acc);
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(LLORCH_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i))), acc);
+    total = hsum8(acc);
+#endif
+    for (; i < n; i++) total += a[i] * fp16_to_fp32(b[i]);
+    return total;
+}
 
 #endif
