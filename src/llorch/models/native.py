@@ -12,6 +12,7 @@ everything else (CUDA, bf16/f16 compute, dense weights of other dtypes).
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -63,6 +64,7 @@ class NativeDecoder:
         self.weight_bytes = sum(array.nbytes for array in self.weights.values())
         self.lib = library()
         self.vocab = cfg.vocab_size
+        self._logits_buffer: np.ndarray | None = None  # reused across steps (_logits)
         variants: list[RopeVariant] = []
         layers = []
         for i in range(cfg.num_layers):
@@ -127,6 +129,19 @@ class NativeDecoder:
             raise ValueError("norms and biases the C step reads must be contiguous float32")
         return array.ctypes.data
 
+    def _logits(self, rows: int) -> np.ndarray:
+        """A [rows, vocab] float32 array for a step's logits: the last step's, when no one holds it any more.
+
+        A fresh array of a row or more of a 262k vocabulary is a mapping of its own (memory.py), so
+        every step paid a page fault per 4 KiB of it (256 a row, 8192 at 32 rows) and an unmap.
+        A caller that keeps a step's logits (or a view of them) holds the buffer, and the next step
+        gets a new one."""
+        buffer = self._logits_buffer
+        # Held only by this attribute, this local and getrefcount's argument: no caller has it.
+        if buffer is None or buffer.shape[0] < rows or sys.getrefcount(buffer) > 3:
+            buffer = self._logits_buffer = np.empty((rows, self.vocab), dtype=np.float32)
+        return buffer[:rows]
+
     def forward(self, token_ids: Sequence[int] | np.ndarray, layout: RowLayout,
                 cache: Sequence[tuple[np.ndarray, np.ndarray]], threads: int) -> np.ndarray:
         """Logits [R, vocab] of the step's wanted rows (float32); `cache` holds each layer's keys and values."""
@@ -137,7 +152,7 @@ class NativeDecoder:
             if keys.dtype != np.float16 or not keys.flags.c_contiguous or not values.flags.c_contiguous:
                 raise ValueError("the C step needs a contiguous float16 KV cache")
             desc.keys, desc.values = keys.ctypes.data, values.ctypes.data
-        logits = np.empty((len(layout.logit_rows), self.vocab), dtype=np.float32)
+        logits = self._logits(len(layout.logit_rows))
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (
             layout.positions, layout.write_slots, layout.slot_start, layout.slots, layout.logit_rows)]
         step = StepDesc(rows=len(layout.positions), tokens=tokens.ctypes.data, positions=arrays[0].ctypes.data,
