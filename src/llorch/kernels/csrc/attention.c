@@ -95,6 +95,27 @@ static inline __attribute__((always_inline)) void score16(const float *q, const 
     _mm512_storeu_ps(scores + u0, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
 
+/* score16 for a group of three (as Llama 3.2 3B's 24 query heads over 8 KV heads): sixteen units
+ * start at head `first` of their first key and span six keys, so its three query slices and six
+ * key slices are each loaded once (the generic path loads sixteen of each). Same products, same
+ * order, same bits. With the softmax's vectorized exponentials below, measured in llorch_attend_chunk. */
+static inline __attribute__((always_inline)) void score16_of3(const float *q, const uint16_t *const *key_of,
+                                                             int64_t count, int64_t head_dim, float scale, int64_t u0,
+                                                             float *scores, const int first) {
+    for (int64_t p = u0 / 3 + AHEAD; p <= (u0 + 15) / 3 + AHEAD && p < count; p++) prefetch_halves(key_of[p], head_dim);
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const uint16_t *ks[6];
+    for (int p = 0; p < 6; p++) ks[p] = key_of[u0 / 3 + p];  /* unit u0 + 15's key is u0 / 3 + 5 whatever `first` */
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512 qv[3], kv[6];
+        for (int h = 0; h < 3; h++) qv[h] = _mm512_loadu_ps(q + h * head_dim + d);
+        for (int p = 0; p < 6; p++) kv[p] = load16(ks[p] + d);
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(qv[(first + i) % 3], kv[(first + i) / 3], acc[i]);
+    }
+    _mm512_storeu_ps(scores + u0, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+
 static void score_all16(const float *q, const uint16_t *const *key_of, int64_t count, int64_t group, int64_t head_dim,
                         float scale, int64_t units, float *scores) {
 #define SCORE(heads) for (int64_t u = 0; u + 16 <= units; u += 16) \
@@ -102,6 +123,15 @@ static void score_all16(const float *q, const uint16_t *const *key_of, int64_t c
     switch (group) {
         case 1: SCORE(1); break;
         case 2: SCORE(2); break;
+        case 3:
+            for (int64_t u = 0; u + 16 <= units; u += 16) {
+                switch (u % 3) {  /* the head unit u starts at: a constant in each copy */
+                    case 0: score16_of3(q, key_of, count, head_dim, scale, u, scores, 0); break;
+                    case 1: score16_of3(q, key_of, count, head_dim, scale, u, scores, 1); break;
+                    default: score16_of3(q, key_of, count, head_dim, scale, u, scores, 2);
+                }
+            }
+            break;
         case 4: SCORE(4); break;
         case 8: SCORE(8); break;
         default:
@@ -222,14 +252,22 @@ void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_
             const float *s = scores + p * group + h0;
             for (int64_t h = 0; h < n; h++) best[h] = s[h] > best[h] ? s[h] : best[h];
         }
-        if (n == group && 16 % group == 0) {
+        if (n == group) {
             /* e^(s - max) is elementwise: sixteen units at a time (vectorized), then each head's
-             * sum in position order as before, so the bits do not change */
-            float shift[16];
-            for (int l = 0; l < 16; l++) shift[l] = best[l % group];
-            int64_t i = 0;
-            for (; i + 16 <= units; i += 16)
+             * sum in position order as before, so the bits do not change. Unit i is head i % group;
+             * a group that does not divide sixteen (three, say) starts each sixteen at another head.
+             * Measured with score16_of3 (3B, group of three, two threads, Zen 4, same process
+             * alternating): attention of 16 rows at 512 positions 91.9 -> 81.8 ms, of 32 rows at 64
+             * positions 21.3 -> 19.2 ms. */
+            int64_t i = 0, head = 0;
+            for (; i + 16 <= units; i += 16) {
+                float shift[16];
+                for (int l = 0; l < 16; l++) {
+                    shift[l] = best[head];
+                    head = head + 1 == group ? 0 : head + 1;
+                }
                 for (int l = 0; l < 16; l++) scores[i + l] = v_exp(scores[i + l] - shift[l]);
+            }
             for (; i < units; i++) scores[i] = v_exp(scores[i] - best[i % group]);
             for (int64_t p = 0; p < count; p++)
                 for (int64_t h = 0; h < n; h++) total[h] += scores[p * group + h];
