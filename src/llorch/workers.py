@@ -176,7 +176,10 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
         report_failure(program, str(exc))
         return exc.exit_code
     prepare_weights_memory(settings.engine, backend.device)
-    from llorch.api.app import create_app  # the web stack (and the engine's), imported while the arena faults in
+    # The web stack (and the engine's) and the event loop, imported while the arena faults in.
+    import uvloop
+
+    from llorch.api.app import create_app
     from llorch.api.state import WorkerState
 
     state = WorkerState(backend=backend.name, device=str(backend.device))
@@ -186,8 +189,6 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     try:
         # uvloop: the event loop's own work per streamed token (wake-up, socket write) is about half
         # of asyncio's, and on a 2-core machine that time is taken from the step's threads.
-        import uvloop
-
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(lifecycle.run(app))
     finally:
