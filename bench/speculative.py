@@ -60,11 +60,6 @@ def llama_stream(url: str, prompt: str) -> tuple[list[float], str]:
     return streams.llama_server(url, prompt, MAX_TOKENS)
 
 
-def decode_rate(arrivals: list[float]) -> float:
-    tokens = len(arrivals) - 1
-    return (tokens - 1) / (arrivals[-1] - arrivals[1]) if tokens > 1 and arrivals[-1] > arrivals[1] else 0.0
-
-
 def single_stream(command: list[str], url: str, ready: Callable[[httpx.Response], bool],
                   stream: Callable[[str, str], tuple[list[float], str]], reps: int,
                   env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -75,7 +70,7 @@ def single_stream(command: list[str], url: str, ready: Callable[[httpx.Response]
         out: dict[str, Any] = {}
         for task, prompt in TASKS.items():
             runs = [stream(url, prompt) for _ in range(reps)]
-            rates = [decode_rate(arrivals) for arrivals, _ in runs]
+            rates = [streams.decode_rate(arrivals) for arrivals, _ in runs]
             out[task] = {"decode_tok_s": statistics.median(rates), "min": min(rates), "max": max(rates),
                          "tokens": len(runs[0][0]) - 1, "text": runs[0][1]}
             print(f"      {task}: {out[task]['decode_tok_s']:.1f} tok/s ({out[task]['tokens']} tokens)", flush=True)

@@ -168,9 +168,9 @@ def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response],
         try:
             stream(url, prompt)  # warm-up request
             arrivals = stream(url, prompt)
-            first, tokens = arrivals[1] - arrivals[0], len(arrivals) - 1
+            first = arrivals[1] - arrivals[0]
             runs.append({"prefill_tok_s": PROMPT_TOKENS / first, "ttft_s": first,
-                         "decode_tok_s": (tokens - 1) / (arrivals[-1] - arrivals[1]),
+                         "decode_tok_s": streams.decode_rate(arrivals),
                          "start_to_ready_s": server.start_to_ready_s,
                          "peak_rss_mb": rss_mb(server.process.pid, "VmHWM")})
         finally:
@@ -209,7 +209,7 @@ def http_share(command: list[str], url: str, loaded: LoadedModel, ids: list[int]
         for _ in range(reps + 1):
             alone = bench_llorch(loaded, ids)["decode_tok_s"]
             arrivals = stream_llorch(url, prompt)
-            served = (len(arrivals) - 2) / (arrivals[-1] - arrivals[1])
+            served = streams.decode_rate(arrivals)
             runs.append({"ratio": served / alone, "http_decode_tok_s": served, "in_process_decode_tok_s": alone})
         return summarize(runs[1:])
     finally:

@@ -42,6 +42,12 @@ def lines(base_url: str, path: str, body: dict[str, Any], accept: str) -> Iterat
         connection.close()
 
 
+def decode_rate(arrivals: list[float]) -> float:
+    """Tokens per second after the first token, from a stream's arrival times (0 when there is no span)."""
+    tokens = len(arrivals) - 1
+    return (tokens - 1) / (arrivals[-1] - arrivals[1]) if tokens > 1 and arrivals[-1] > arrivals[1] else 0.0
+
+
 def llorch(base_url: str, prompt: str, max_tokens: int) -> tuple[list[float], str]:
     body = {"job_id": f"bench-{time.monotonic_ns()}", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     arrivals, text = [time.perf_counter()], []
