@@ -18,6 +18,10 @@ is held back while it is not final:
   decode to nothing, do not end a run).
 The window only moves past tokens that produced text, so it never starts with tokens
 that decode to nothing (a leading-space strip would then hit the new text instead).
+
+The window's own text is kept from the decode that emitted it, so a token costs one decode,
+not two: the window grows by the emitted tokens (its start stays a clean boundary) and moves
+up to them only every WINDOW_TOKENS tokens, when its text is decoded once again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 
 REPLACEMENT = "\ufffd"
+WINDOW_TOKENS = 8  # the longest window before it moves up (each decode reads it: kept short)
 
 
 class IncrementalDetokenizer:
@@ -40,6 +45,8 @@ class IncrementalDetokenizer:
         self._in_byte_run = False
         self._window: list[int] = []  # final tokens whose text was emitted, the decode context
         self._read: list[int] = []  # tokens after the window, not yet emitted
+        self._window_text = ""  # decode(window)
+        self._text = ""  # decode(window + read), from the last _piece
 
     def add(self, token_id: int) -> str:
         """The new final text after appending `token_id` ("" while it is not final yet)."""
@@ -62,13 +69,18 @@ class IncrementalDetokenizer:
 
     def _piece(self) -> str | None:
         """decode(window + read) minus decode(window); None when the window's text is not its prefix."""
-        before = self._decode(self._window) if self._window else ""
-        text = self._decode(self._window + self._read)
+        before = self._window_text
+        text = self._text = self._decode(self._window + self._read)
         return text[len(before) :] if text.startswith(before) else None
 
     def _advance(self, piece: str) -> None:
         """The read tokens are final: they become the window, unless they made no text."""
         # Tokens that made no text (specials, or a space the decoder stripped at the start) stay
         # behind the window's first token: dropping them could change how the rest decodes.
-        self._window = self._read if piece else self._window + self._read
+        if piece and len(self._window) + len(self._read) > WINDOW_TOKENS:
+            self._window = self._read
+            self._window_text = self._decode(self._window)
+        else:
+            self._window = self._window + self._read
+            self._window_text = self._text
         self._read = []

@@ -14,9 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from llorch.engine.kv.block_table import slots_of
+from llorch.engine.kv.block_table import SlotCache
 from llorch.engine.kv.pool import KVPool
 from llorch.kernels.build import threads
 from llorch.models.native import NativeDecoder
@@ -70,6 +68,7 @@ class ModelRunner:
 
             kv_dtype = torch.float16  # the C step computes it (the loader attached one): its cache's form
         self.kv = KVPool(self.config, device, kv_dtype, kv_cache_bytes)
+        self._slots = SlotCache(self.kv.block_size)
 
     @property
     def resident_bytes(self) -> int:
@@ -89,8 +88,9 @@ class ModelRunner:
         specs, ids, logit_rows, row = [], [], [], 0
         for chunk in chunks:
             end = chunk.start + len(chunk.token_ids)
-            slots = slots_of(chunk.block_table, self.kv.block_size, end)
-            specs.append(ChunkSlots(chunk.start, len(chunk.token_ids), slots))
+            if len(chunk.block_table) * self.kv.block_size < end:
+                raise ValueError(f"a chunk ending at position {end} has only {len(chunk.block_table)} blocks")
+            specs.append(ChunkSlots(chunk.start, len(chunk.token_ids), self._slots.slots(chunk.block_table)))
             ids.extend(chunk.token_ids)
             logit_rows.extend(row + offset for offset in chunk.scored)
             row += len(chunk.token_ids)
@@ -98,7 +98,7 @@ class ModelRunner:
                 logit_rows.extend(range(row - 1 - chunk.verified, row))
         if isinstance(self.model, NativeDecoder):
             cache = [(layer.keys, layer.values) for layer in self.kv.layers]
-            return self.model.forward(np.asarray(ids, dtype=np.int64), row_layout(specs, logit_rows), cache, threads())
+            return self.model.forward(ids, row_layout(specs, logit_rows), cache, threads())
         import torch
 
         from llorch.models.step_batch import build_step

@@ -218,13 +218,13 @@ def sample_batch(logits: Array, states: Sequence[SamplerState], logprobs: Sequen
     under the model's own distribution (before penalties and filters) and that many
     top alternatives.
     """
+    if all(k is None for k in logprobs) and all(plain_greedy(state) for state in states):
+        return [Sampled(t) for t in argmax_list(logits)]  # the common case, in one pass
     rows = logits.shape[0]
     wanted = list(logprobs) + [None] * (rows - len(logprobs))
     greedy = [s.params.greedy for s in states]
     chosen: list[Array | int] = []
     plain = [i for i in range(rows) if plain_greedy(states[i])]
-    if len(plain) == rows and not any(k is not None for k in wanted):  # the common case, in one pass
-        return [Sampled(int(t)) for t in argmax(logits).tolist()]
     # Indexing copies each row (1 MB at 262k tokens): only when some rows are not plain greedy.
     greedy_logits = logits if len(plain) == rows else logits[plain]
     by_row = dict(zip(plain, argmax(greedy_logits) if plain else [], strict=True))
@@ -267,6 +267,13 @@ def sample_batch(logits: Array, states: Sequence[SamplerState], logprobs: Sequen
         at += 1 + 2 * k
         results.append(Sampled(token, logprob, tuple((int(t), v) for t, v in zip(top, values, strict=True))))
     return results
+
+
+def argmax_list(logits: Array) -> list[int]:
+    """Each row's argmax as a list: straight from C for float32 CPU logits (no array in between)."""
+    if isinstance(logits, np.ndarray) and logits.dtype == np.float32:
+        return argmax_rows(logits)
+    return argmax(logits).tolist()
 
 
 def argmax(logits: Array) -> Array:

@@ -212,10 +212,19 @@ def threads() -> int:
 _building = threading.Lock()  # one build at a time: a caller waits for the one under way, then finds it cached
 
 
+_chosen: tuple[str | None, ctypes.CDLL] | None = None  # the last answer, and the LLORCH_KERNELS it was for
+
+
 def library() -> ctypes.CDLL:
     """The kernels this worker uses: the best variant for this CPU (or LLORCH_KERNELS's)."""
+    global _chosen
+    forced, chosen = os.environ.get("LLORCH_KERNELS"), _chosen
+    if chosen is not None and chosen[0] == forced:  # asked for every engine step: no lock once chosen
+        return chosen[1]
     with _building:
-        return _library_for(os.environ.get("LLORCH_KERNELS"))
+        lib = _library_for(forced)
+    _chosen = (forced, lib)
+    return lib
 
 
 def start_building() -> None:

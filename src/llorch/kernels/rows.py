@@ -8,6 +8,7 @@ it. (Loading the kernels themselves still imports torch, in build, for its OpenM
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,9 +49,10 @@ def argmax_rows(logits: Array) -> list[int]:
     """
     logits = _contiguous(logits)
     rows, cols = logits.shape
-    out = np.empty(rows, dtype=np.int64)
-    library().llorch_argmax_rows(address(logits), rows, cols, out.ctypes.data)
-    return [i if i >= 0 else int(logits[r].argmax()) for r, i in enumerate(out.tolist())]
+    out = (ctypes.c_int64 * rows)()  # not numpy's: its set-up is most of this call's Python, every token
+    library().llorch_argmax_rows(address(logits), rows, cols, ctypes.addressof(out))
+    best = list(out)
+    return best if min(best, default=0) >= 0 else [i if i >= 0 else int(logits[r].argmax()) for r, i in enumerate(best)]
 
 
 def sample_row(logits: Array, temperature: float, top_k: int, top_p: float, min_p: float, uniform: float

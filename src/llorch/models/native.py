@@ -154,9 +154,13 @@ class NativeDecoder:
     def forward(self, token_ids: Sequence[int] | np.ndarray, layout: RowLayout,
                 cache: Sequence[tuple[np.ndarray, np.ndarray]], threads: int) -> np.ndarray:
         """Logits [R, vocab] of the step's wanted rows (float32); `cache` holds each layer's keys and values."""
-        tokens = np.ascontiguousarray(token_ids, dtype=np.int64)
-        if tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < self.vocab:
+        if isinstance(token_ids, np.ndarray):
+            valid = not token_ids.size or 0 <= int(token_ids.min()) <= int(token_ids.max()) < self.vocab
+        else:  # a step's list of ids: checked without numpy's per-call cost
+            valid = not token_ids or 0 <= min(token_ids) <= max(token_ids) < self.vocab
+        if not valid:
             raise IndexError(f"token id out of range for a vocabulary of {self.vocab}")
+        tokens = np.array(token_ids, dtype=np.int64)
         if not self._bound(cache):
             for desc, (keys, values) in zip(self.layers, cache, strict=True):
                 if keys.dtype != np.float16 or not keys.flags.c_contiguous or not values.flags.c_contiguous:
@@ -164,12 +168,11 @@ class NativeDecoder:
                 desc.keys, desc.values = keys.ctypes.data, values.ctypes.data
             self._bound_cache = [(keys, values) for keys, values in cache]  # held: their memory stays theirs
         logits = self._logits(len(layout.logit_rows))
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (
-            layout.positions, layout.write_slots, layout.slot_start, layout.slots, layout.logit_rows)]
-        step = StepDesc(rows=len(layout.positions), tokens=tokens.ctypes.data, positions=arrays[0].ctypes.data,
-                        write_slots=arrays[1].ctypes.data, slot_start=arrays[2].ctypes.data,
-                        slots=arrays[3].ctypes.data, logit_rows_count=len(layout.logit_rows),
-                        logit_rows=arrays[4].ctypes.data, logits=logits.ctypes.data)
+        # The layout's arrays are contiguous int64 as row_layout builds them: no conversion, every token.
+        step = StepDesc(rows=len(layout.positions), tokens=tokens.ctypes.data, positions=layout.positions.ctypes.data,
+                        write_slots=layout.write_slots.ctypes.data, slot_start=layout.slot_start.ctypes.data,
+                        slots=layout.slots.ctypes.data, logit_rows_count=len(layout.logit_rows),
+                        logit_rows=layout.logit_rows.ctypes.data, logits=logits.ctypes.data)
         if self.lib.llorch_decoder_forward(ctypes.addressof(self.model), ctypes.addressof(step), threads) != 0:
             raise MemoryError(f"the C step could not allocate its buffers for {step.rows} rows")
         return logits

@@ -28,12 +28,13 @@ class ChunkSlots:
 
     start: int
     length: int
-    slots: np.ndarray  # the slot of every position 0 .. start + length - 1 (int64)
+    slots: np.ndarray  # the slot of every position 0 .. start + length - 1, maybe more after (int64)
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """The step's rows as plain host arrays: what a C step reads (and the torch layout is built from)."""
+    """The step's rows as plain host arrays: what a C step reads (and the torch layout is built from).
+    row_layout builds every one C-contiguous int64, so the C step takes them as they are."""
 
     positions: np.ndarray  # [N] absolute position of every new token
     write_slots: np.ndarray  # [N] where every new token's key and value are written
@@ -45,6 +46,8 @@ class RowLayout:
 
 def row_layout(specs: list[ChunkSlots], logit_rows: list[int] | None = None) -> RowLayout:
     """The step's rows, in order of its chunks; `logit_rows` None wants every row's logits."""
+    if all(s.length == 1 for s in specs):
+        return _decoding_layout(specs, logit_rows)
     positions = np.concatenate([np.arange(s.start, s.start + s.length) for s in specs])
     write_slots = np.concatenate([s.slots[s.start : s.start + s.length] for s in specs])
     starts = np.cumsum([0] + [s.start + s.length for s in specs[:-1]])
@@ -53,3 +56,19 @@ def row_layout(specs: list[ChunkSlots], logit_rows: list[int] | None = None) -> 
     wanted = np.arange(len(positions)) if logit_rows is None else np.asarray(logit_rows, dtype=np.int64)
     return RowLayout(positions.astype(np.int64), write_slots.astype(np.int64), slots.astype(np.int64),
                      slot_start.astype(np.int64), wanted.astype(np.int64))
+
+
+def _decoding_layout(specs: list[ChunkSlots], logit_rows: list[int] | None) -> RowLayout:
+    """Every chunk is one decoding row (the steady state, every token): built from lists, as numpy's
+    per-call set-up on arrays this small cost more than the work (about 40 µs a step, cache-cold)."""
+    starts, at = [], 0
+    for s in specs:
+        starts.append(at)
+        at += s.start + 1
+    wanted = range(len(specs)) if logit_rows is None else logit_rows
+    # A lone row reads its first start + 1 slots: those after them are never read.
+    slots = specs[0].slots if len(specs) == 1 else np.concatenate([s.slots[: s.start + 1] for s in specs])
+    return RowLayout(np.array([s.start for s in specs], dtype=np.int64),
+                     np.array([s.slots[s.start] for s in specs], dtype=np.int64),
+                     np.ascontiguousarray(slots, dtype=np.int64), np.array(starts, dtype=np.int64),
+                     np.array(wanted, dtype=np.int64))
