@@ -202,11 +202,13 @@ def http_share(command: list[str], url: str, loaded: LoadedModel, ids: list[int]
     """Decode over HTTP as a fraction of decode in-process, the two alternated against one worker.
 
     The rows above run minutes apart, and this machine's speed drifts by more than what HTTP
-    costs; pairs taken back to back measure the HTTP path itself. The first pair warms up."""
+    costs; pairs taken back to back measure the HTTP path itself. One pair still moves by a
+    tenth either way (neighbours on the host), so there are 2 * reps + 1 of them, after a first
+    that warms up."""
     server = start_server(command, url, llorch_healthy)
     try:
         runs = []
-        for _ in range(reps + 1):
+        for _ in range(2 * reps + 2):
             alone = bench_llorch(loaded, ids)["decode_tok_s"]
             arrivals = stream_llorch(url, prompt)
             served = streams.decode_rate(arrivals)
