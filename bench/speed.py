@@ -105,7 +105,9 @@ def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
     blocks = list(range(1, runner.kv.num_blocks))
 
     def forward(segment: ChunkInput) -> int:
-        return int(runner.forward([segment])[0].argmax())
+        logits = runner.forward([segment])
+        best = runner.best_of(logits)  # the step's own argmax, where the engine's greedy decoding takes it
+        return best[0] if best is not None else int(logits[0].argmax())
 
     return timed_greedy(lambda: forward(ChunkInput(ids, 0, blocks, True)),
                         lambda token, i: forward(ChunkInput([token], PROMPT_TOKENS + i, blocks, True)))

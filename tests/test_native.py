@@ -20,11 +20,16 @@ import pytest
 import torch
 
 from conftest import LLAMA_CPP_KL, all_logits, exported, greedy_ids
+from hostile_files import Tensor, tiny_gemma3_parts
+from llorch.engine.factory import kv_dtype
+from llorch.engine.kv.pool import BLOCK_SIZE, HOST_KV_DTYPE, bytes_per_block
+from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.kernels import build
 from llorch.models.decoder import Decoder
 from llorch.weights.loader import LoadedModel, load_model
 from llorch.weights.native_loader import load_native
 from model_zoo import ARCHITECTURES, Q
+from tiny_model import tiny_vocab
 
 pytestmark = pytest.mark.cpu
 
@@ -168,3 +173,51 @@ def test_an_allocation_the_c_step_cannot_make_fails_its_jobs_and_the_worker_goes
     finally:
         lib.llorch_fail_allocations(0)
         engine.stop()
+
+
+def native_runner(loaded: LoadedModel, tokens: int) -> tuple[ModelRunner, list[int]]:
+    """A runner over the C step with a KV pool for `tokens` positions, and every block of it."""
+    pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, kv_dtype(loaded))
+    runner = ModelRunner(loaded.native, None, HOST_KV_DTYPE, pool)
+    return runner, list(range(1, runner.kv.num_blocks))
+
+
+def test_the_step_s_own_argmax_is_the_logits_own(served: LoadedModel) -> None:
+    """Greedy decoding takes each row's argmax from the C step, found while its threads were up: it is
+    numpy's argmax of the very logits it returned, a prompt's rows and a batch's alike, and nothing is
+    claimed for any other array (a selection of the rows, or a copy)."""
+    ids = served.tokenizer.encode(PROMPT)
+    runner, blocks = native_runner(served, 3 * len(ids) + 8)
+    logits = runner.forward([ChunkInput(ids, 0, blocks, True, scored=range(len(ids) - 1))])
+    assert runner.best_of(logits) == logits.argmax(-1).tolist()
+    assert runner.best_of(logits[1:]) is None and runner.best_of(logits.copy()) is None
+    # Three sequences decoding together, each in blocks of its own.
+    width = len(blocks) // 3
+    tables = [blocks[i * width : (i + 1) * width] for i in range(3)]
+    for table in tables:
+        runner.forward([ChunkInput(ids, 0, table, True)])
+    for step in range(3):
+        logits = runner.forward([ChunkInput([ids[step + i]], len(ids) + step, table, True)
+                                 for i, table in enumerate(tables)])
+        assert runner.best_of(logits) == logits.argmax(-1).tolist()
+
+
+def test_the_step_s_argmax_takes_the_first_of_equal_logits_and_leaves_nan_rows_to_the_array(
+        tmp_path: Path) -> None:
+    """Every output row alike: every logit of a row is equal, across the threads' shares of the
+    vocabulary, and the first index is the answer, as numpy's and torch's argmax give. One token's
+    embedding at 3e38 makes the rows from it on NaN: the step claims no argmax then."""
+    parts = tiny_gemma3_parts(tmp_path)
+    embedding = parts.tensor("token_embd.weight")
+    rows = np.frombuffer(embedding.data, dtype=np.float32).reshape(embedding.shape).copy()
+    parts.tensors.append(Tensor("output.weight", embedding.shape, embedding.ggml_type,
+                                np.repeat(rows[270:271], len(rows), axis=0).tobytes()))
+    poisoned = tiny_vocab()[0].index("<0x7E>")
+    rows[poisoned] = 3e38
+    embedding.data = rows.tobytes()
+    loaded = load_native(parts.write(tmp_path / "uniform-head.gguf"))
+    runner, blocks = native_runner(loaded, 32)
+    logits = runner.forward([ChunkInput([2, 270, 271, 272], 0, blocks, True, scored=range(3))])
+    assert np.all(logits == logits[:, :1]) and runner.best_of(logits) == [0, 0, 0, 0]
+    logits = runner.forward([ChunkInput([2, 270, poisoned, 271], 0, blocks, True, scored=range(3))])
+    assert np.isnan(logits[2]).any() and runner.best_of(logits) is None

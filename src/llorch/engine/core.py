@@ -1,16 +1,15 @@
 """The engine core: synchronous, no threads and no callbacks. `add`, `finish`, `step() -> StepOutput`.
 
-Each step is one forward pass over every running sequence: the decoding ones add
-their last token, those still reading their prompt add a chunk of it (continuous
-batching). The scheduler decides who runs and which KV blocks they use, the runner
-computes the logits, the sampler picks every row's token at once, and the scheduler
-accepts them. What the step produced for each job comes back as plain data; turning
-it into text and events is the output stage's work, and the shell's thread calls
-both in turn.
+Each step is one forward pass over every running sequence: the decoding ones add their last
+token, those still reading their prompt add a chunk of it (continuous batching). The scheduler
+decides who runs and which KV blocks they use, the runner computes the logits, the sampler
+picks every row's token at once, and the scheduler accepts them. What the step produced for
+each job comes back as plain data; turning it into text and events is the output stage's
+work, and the shell's thread calls both in turn.
 
-A failure is kept to the job it belongs to: when the batched forward fails, each
-job is run alone so only the failing one ends (rewriting the same KV slots with the
-same values is harmless), and when batched sampling fails, each row is sampled alone.
+A failure is kept to the job it belongs to: when the batched forward fails, each job is run
+alone so only the failing one ends (rewriting the same KV slots with the same values is
+harmless), and when batched sampling fails, each row is sampled alone.
 """
 
 from __future__ import annotations
@@ -244,15 +243,16 @@ class EngineCore:
         """One token per row (row i is sampling[i]'s), in one go; when that fails, row by row."""
         states = [seq.sampler for seq in sampling]
         assert all(state is not None for state in states)
+        # The step's own argmax of these rows, unless they are a selection or a grammar's mask wrote into them.
+        best = None if any(seq.matcher is not None for seq in sampling) else self.runner.best_of(logits)
         try:
-            return sample_batch(logits, states, [seq.request.logprobs for seq in sampling])  # type: ignore[arg-type]
+            return sample_batch(logits, states, [seq.request.logprobs for seq in sampling], best)  # type: ignore[arg-type]
         except Exception:  # find the row that fails, so only its job ends
             return [self._sample_alone(seq, logits[i : i + 1], out) for i, seq in enumerate(sampling)]
 
     def _verify_rows(self, sampling: list[Sequence], logits: Tensor, firsts: list[int], out: StepOutput
                      ) -> list[list[Sampled] | None]:
-        """Rows without proposals are sampled together; each row with proposals (its rows start at
-        firsts[i]) verifies them."""
+        """Rows without proposals are sampled together; each row with proposals (from firsts[i]) verifies them."""
         plain = [i for i, seq in enumerate(sampling) if not seq.draft]
         tokens: list[list[Sampled] | None] = [None] * len(sampling)
         if plain:

@@ -79,6 +79,11 @@ class ModelRunner:
     def parameter_count(self) -> int:
         return parameter_count(self.config)  # from the shapes: GGUF blocks hold several values a byte
 
+    def best_of(self, logits: Array) -> list[int] | None:
+        """Each row's argmax of the last forward's logits, when the C step found them (NativeDecoder.best_of):
+        the caller vouches that `logits` is that very array, unwritten since."""
+        return self.model.best_of(logits) if isinstance(self.model, NativeDecoder) else None
+
     def forward(self, chunks: list[ChunkInput]) -> Array:
         """Logits [R, vocab] of the wanted rows after one batched forward: per chunk, in order, its scored
         rows, its sampling row and the rows of its proposed tokens.

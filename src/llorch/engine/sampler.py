@@ -211,15 +211,16 @@ def sample(logits: Array, params: SamplingParams, uniform: float) -> Array | int
     return draw(filtered_probs(logits, params), uniform)
 
 
-def sample_batch(logits: Array, states: Sequence[SamplerState], logprobs: Sequence[int | None] = ()) -> list[Sampled]:
+def sample_batch(logits: Array, states: Sequence[SamplerState], logprobs: Sequence[int | None] = (),
+                 best: list[int] | None = None) -> list[Sampled]:
     """One token per row of `logits` [R, vocab], row i drawn with `states[i]`.
 
     `logprobs[i]` (when given and not None) asks for row i's chosen-token log-probability
     under the model's own distribution (before penalties and filters) and that many
-    top alternatives.
+    top alternatives. `best`, when given, is each row's argmax, found already.
     """
     if all(k is None for k in logprobs) and all(plain_greedy(state) for state in states):
-        return [Sampled(t) for t in argmax_list(logits)]  # the common case, in one pass
+        return [Sampled(t) for t in (best if best is not None else argmax_list(logits))]  # the common case
     rows = logits.shape[0]
     wanted = list(logprobs) + [None] * (rows - len(logprobs))
     greedy = [s.params.greedy for s in states]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -66,6 +67,8 @@ class NativeDecoder:
         self.vocab = cfg.vocab_size
         self._logits_buffer: np.ndarray | None = None  # reused across steps (_logits)
         self._bound_cache: list[tuple[np.ndarray, np.ndarray]] = []  # the KV arrays the descriptors point into
+        self._best = (ctypes.c_int64 * 1)()  # the last step's argmax of each logits row (best_of)
+        self._best_of: weakref.ref[np.ndarray] | None = None  # ... and the logits it returned them with
         variants: list[RopeVariant] = []
         layers = []
         for i in range(cfg.num_layers):
@@ -168,11 +171,27 @@ class NativeDecoder:
                 desc.keys, desc.values = keys.ctypes.data, values.ctypes.data
             self._bound_cache = [(keys, values) for keys, values in cache]  # held: their memory stays theirs
         logits = self._logits(len(layout.logit_rows))
+        rows = len(layout.logit_rows)
+        if len(self._best) < rows:
+            self._best = (ctypes.c_int64 * rows)()
         # The layout's arrays are contiguous int64 as row_layout builds them: no conversion, every token.
         step = StepDesc(rows=len(layout.positions), tokens=tokens.ctypes.data, positions=layout.positions.ctypes.data,
                         write_slots=layout.write_slots.ctypes.data, slot_start=layout.slot_start.ctypes.data,
                         slots=layout.slots.ctypes.data, logit_rows_count=len(layout.logit_rows),
-                        logit_rows=layout.logit_rows.ctypes.data, logits=logits.ctypes.data)
+                        logit_rows=layout.logit_rows.ctypes.data, logits=logits.ctypes.data,
+                        best=ctypes.addressof(self._best))
+        self._best_of = None
         if self.lib.llorch_decoder_forward(ctypes.addressof(self.model), ctypes.addressof(step), threads) != 0:
             raise MemoryError(f"the C step could not allocate its buffers for {step.rows} rows")
+        self._best_of = weakref.ref(logits)  # weak: a held array would keep the buffer from reuse (_logits)
         return logits
+
+    def best_of(self, logits: np.ndarray) -> list[int] | None:
+        """Each row's argmax (the first of equal values), when `logits` is the very array the last step
+        returned (the step found them while its threads were up); None for any other array, or when a
+        row holds a NaN (the array's own argmax decides that). The caller vouches that nothing has
+        written into the array since."""
+        if self._best_of is None or self._best_of() is not logits:
+            return None
+        best = self._best[: len(logits)]
+        return best if min(best, default=0) >= 0 else None

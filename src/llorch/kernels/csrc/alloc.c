@@ -59,7 +59,7 @@ int64_t llorch_struct_layout(int which, int64_t *out) {
         out[n++] = sizeof(step_desc);
         FIELD(step_desc, rows); FIELD(step_desc, tokens); FIELD(step_desc, positions); FIELD(step_desc, write_slots);
         FIELD(step_desc, slot_start); FIELD(step_desc, slots); FIELD(step_desc, logit_rows_count);
-        FIELD(step_desc, logit_rows); FIELD(step_desc, logits);
+        FIELD(step_desc, logit_rows); FIELD(step_desc, logits); FIELD(step_desc, best);
         break;
     default:
         return -1;

@@ -163,6 +163,7 @@ typedef struct {
     int64_t logit_rows_count;
     const int64_t *logit_rows;
     float *logits; /* [logit_rows_count, vocab] */
+    int64_t *best; /* NULL, or [logit_rows_count]: each logits row's argmax as llorch_argmax_rows gives it */
 } step_desc;
 
 /* Returns 0, or -1 when a buffer could not be allocated (the logits are then void). */
@@ -178,6 +179,8 @@ int64_t llorch_struct_layout(int which, int64_t *out);
 
 /* The index of each row's largest value (the first one, as torch.argmax); -1 for a row with a NaN. */
 void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out);
+/* The first index of the largest of x[0..n) (its value in *max), or -1 when x holds a NaN. */
+int64_t llorch_argmax_span(const float *x, int64_t n, float *max);
 
 /* One token drawn from softmax(x / temperature) after top_k, top_p and min_p (0, 1 and 0 when
  * off), as the first in vocabulary order whose cumulative probability passes `uniform` in

@@ -70,14 +70,17 @@ static int64_t first_of(const float *row, int64_t cols, float best) {
     return cols;
 }
 
+int64_t llorch_argmax_span(const float *x, int64_t n, float *max) {
+    *max = row_max(x, n);
+    const int64_t j = first_of(x, n, *max);
+    /* -1 when the span holds a NaN: its max is then NaN, which no value equals, and the scan stops at
+     * the first NaN */
+    return j < n && x[j] == x[j] ? j : -1;
+}
+
 void llorch_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * cols;
-        const int64_t j = first_of(row, cols, row_max(row, cols));
-        /* -1 when the row holds a NaN: its max is then NaN, which no value equals, and the scan stops at
-         * the first NaN */
-        out[r] = j < cols && row[j] == row[j] ? j : -1;
-    }
+    float max;
+    for (int64_t r = 0; r < rows; r++) out[r] = llorch_argmax_span(x + r * cols, cols, &max);
 }
 void llorch_mask_row(float *x, int64_t cols, const uint32_t *allowed, int64_t words) {
     const float none = -INFINITY;
