@@ -206,7 +206,8 @@ class NativeSpm:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Built with ctypes, not numpy: the detokenizer decodes a few ids every generated token, and
-        # numpy's array set-up and range checks cost more than the decode (about 50 µs a token, cache-cold).
+        # numpy's array set-up and range checks cost more than the decode (two ids: 7.6 -> 3.3 µs warm,
+        # several times both once a step's weight stream has emptied the caches).
         ids = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
         if ids and (min(ids) < 0 or max(ids) > 0xFFFFFFFF):
             raise OverflowError("token ids are unsigned 32-bit integers")
