@@ -104,13 +104,15 @@ def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
               else ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, pool))
     blocks = list(range(1, runner.kv.num_blocks))
 
-    def forward(segment: ChunkInput) -> int:
-        logits = runner.forward([segment])
-        best = runner.best_of(logits)  # the step's own argmax, where the engine's greedy decoding takes it
-        return best[0] if best is not None else int(logits[0].argmax())
+    return timed_greedy(lambda: greedy_token(runner, ChunkInput(ids, 0, blocks, True)),
+                        lambda token, i: greedy_token(runner, ChunkInput([token], PROMPT_TOKENS + i, blocks, True)))
 
-    return timed_greedy(lambda: forward(ChunkInput(ids, 0, blocks, True)),
-                        lambda token, i: forward(ChunkInput([token], PROMPT_TOKENS + i, blocks, True)))
+
+def greedy_token(runner: ModelRunner, chunk: ChunkInput) -> int:
+    """The chunk's next token: the step's own argmax where it found one, as the engine's greedy decoding takes it."""
+    logits = runner.forward([chunk])
+    best = runner.best_of(logits)
+    return best[0] if best is not None else int(logits[0].argmax())
 
 
 def bench_llama_cpp(llama_cpp: Any, model: Path, ids: list[int], threads: int) -> dict[str, float]:

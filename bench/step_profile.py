@@ -31,7 +31,7 @@ from llorch.host import physical_cores
 from llorch.kernels import build as kernels
 from llorch.kernels.blocks import row_bytes
 from llorch.weights.native_loader import load_native
-from speed import cpu_flags, memory_bandwidth_gb_s
+from speed import cpu_flags, greedy_token, memory_bandwidth_gb_s
 
 PHASES = ("setup", "norm", "quantize", "q k v", "rope, cache", "attention", "combine", "o", "residual",
           "gate up", "activation", "down", "head")
@@ -75,10 +75,8 @@ def ours(path: Path, contexts: list[int], steps: int, lib: ctypes.CDLL) -> dict[
     prompt = [i % 1000 + 100 for i in range(max(contexts))]
     results = {}
 
-    def greedy(token: int, position: int) -> int:  # the step's own argmax, as the engine takes it
-        logits = runner.forward([ChunkInput([token], position, blocks, True)])
-        best = runner.best_of(logits)
-        return best[0] if best is not None else int(logits[0].argmax())
+    def greedy(token: int, position: int) -> int:
+        return greedy_token(runner, ChunkInput([token], position, blocks, True))
 
     for context in contexts:
         runner.forward([ChunkInput(prompt[:context], 0, blocks, True)])

@@ -177,7 +177,7 @@ class NativeDecoder:
         # The layout's arrays are contiguous int64 as row_layout builds them: no conversion, every token.
         step = StepDesc(rows=len(layout.positions), tokens=tokens.ctypes.data, positions=layout.positions.ctypes.data,
                         write_slots=layout.write_slots.ctypes.data, slot_start=layout.slot_start.ctypes.data,
-                        slots=layout.slots.ctypes.data, logit_rows_count=len(layout.logit_rows),
+                        slots=layout.slots.ctypes.data, logit_rows_count=rows,
                         logit_rows=layout.logit_rows.ctypes.data, logits=logits.ctypes.data,
                         best=ctypes.addressof(self._best))
         self._best_of = None
