@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: setup test-setup serve serve-ray test lint bench bench-concurrency clean
+.PHONY: setup test-setup bytecode serve serve-ray test lint bench bench-concurrency clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,24 +37,30 @@ setup: $(VENV)/.installed
 
 test-setup: $(VENV)/.installed-test
 
-serve: setup
+# The package's compiled bytecode, brought up to date (quick when it is). An editable install leaves its
+# compiling to the first import, and where the environment forbids writing bytecode
+# (PYTHONDONTWRITEBYTECODE) every start compiled the whole package again: 0.13 s of a 1 s start.
+bytecode: setup
+	$(PY) -m compileall -q src
+
+serve: setup bytecode
 	$(VENV)/bin/llorch-cpu-worker --port $(PORT) $(ARGS)
 
 # Engines as Ray Serve replicas behind one endpoint: make serve-ray ARGS="--replicas 2 --replica-cpus 1"
-serve-ray: $(VENV)/.installed-ray
+serve-ray: $(VENV)/.installed-ray bytecode
 	$(VENV)/bin/llorch-ray-serve --port $(PORT) $(ARGS)
 
 lint: test-setup
 	$(PY) -m ruff check src tests bench
 
-test: test-setup
+test: test-setup bytecode
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed-bench
+bench: $(VENV)/.installed-bench bytecode
 	$(PY) bench/speed.py $(ARGS)
 
-bench-concurrency: test-setup
+bench-concurrency: test-setup bytecode
 	$(PY) bench/concurrency.py $(ARGS)
 
 clean:
