@@ -15,7 +15,8 @@ thread count:
   alternated against one worker;
 - single stream over HTTP: a llorch worker with default flags but speculation off, and llama.cpp's own
   `llama-server`; each restarted per repetition for its warm start-to-ready time, with
-  its peak resident memory (VmHWM) holding one slot of 4096 tokens;
+  its peak resident memory (VmHWM) holding one slot of 4096 tokens; the first start of each is
+  reported too, llorch's with an empty cache (kernels compiled, the file converted);
 - concurrency: aggregate tokens/s and time to first token at 1, 8, 16 and 32 streaming
   clients against a llorch worker and llama-server with as many slots;
 - fidelity: mean KL divergence and top-token agreement against the file computed exactly
@@ -36,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -163,9 +166,11 @@ def stream_llama_server(base_url: str, prompt: str) -> list[float]:
 
 def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response], bool],
                  stream: Callable[[str, str], list[float]], prompt: str, reps: int,
-                 env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Per-rep streamed figures, start-to-ready of each (warm) restart and its peak RSS."""
-    stop(start_server(command, url, ready, env=env))  # the first start fills caches: not a warm start
+                 env: dict[str, str] | None = None, first_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per-rep streamed figures, start-to-ready of each (warm) restart and its peak RSS; and the first
+    start's time, under `first_env` where given (a llorch worker's with an empty cache: a user's first start)."""
+    first_start = start_server(command, url, ready, env=first_env or env)  # it fills caches: not a warm start
+    stop(first_start)
     runs = []
     for _ in range(reps):
         server = start_server(command, url, ready, env=env)
@@ -179,7 +184,13 @@ def bench_server(command: list[str], url: str, ready: Callable[[httpx.Response],
                          "peak_rss_mb": rss_mb(server.process.pid, "VmHWM")})
         finally:
             stop(server)
-    return summarize(runs)
+    return {**summarize(runs), "first_start_s": first_start.start_to_ready_s}
+
+
+def empty_cache_environment(directory: Path) -> dict[str, str]:
+    """A llorch worker's environment with a cache of its own in `directory`: it compiles the kernels and
+    converts the file as on a machine's first start."""
+    return {**os.environ, "LLORCH_CACHE_DIR": str(directory)}
 
 
 def roofline_pairs(loaded: LoadedModel, ids: list[int], sizes: dict[str, int], model: Path, llama_cpp: Any | None,
@@ -286,9 +297,11 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
 
         attempt(section, "llorch --dequantize (in-process)", dense)
     port = free_port()
-    attempt(section, "llorch (HTTP)", lambda: bench_server(
-        [*llorch_worker_command(args, model, port, 1, SERVER_CONTEXT), "--no-prefix-cache"],
-        f"http://127.0.0.1:{port}", llorch_healthy, stream_llorch, prompt, args.reps))
+    with tempfile.TemporaryDirectory(prefix="llorch-first-start-") as empty:
+        attempt(section, "llorch (HTTP)", lambda: bench_server(
+            [*llorch_worker_command(args, model, port, 1, SERVER_CONTEXT), "--no-prefix-cache"],
+            f"http://127.0.0.1:{port}", llorch_healthy, stream_llorch, prompt, args.reps,
+            first_env=empty_cache_environment(Path(empty))))
     if llama_cpp is not None:
         attempt(section, "llama.cpp (in-process)", lambda: summarize(
             [bench_llama_cpp(llama_cpp, model, ids, args.threads) for _ in range(args.reps)]))
@@ -406,6 +419,11 @@ def report(results: dict[str, Any]) -> list[str]:
             lines += ["", f"decode over HTTP / in-process, alternated against one worker: {r['median']:.3f} "
                       f"({r['min']:.3f}..{r['max']:.3f}) over {r['reps']} pairs; median {served['median']:.1f} vs "
                       f"{alone['median']:.1f} tok/s"]
+        firsts = {name: engines[name]["first_start_s"] for name in ("llorch (HTTP)", "llama.cpp (HTTP)")
+                  if "first_start_s" in engines.get(name, {})}
+        if firsts:
+            lines += ["", "first start-to-ready of the run (llorch's with an empty cache: kernels compiled, file "
+                      "converted): " + "; ".join(f"{name} {seconds:.2f} s" for name, seconds in firsts.items())]
         lines += ["", *roofline(results, section)]
         lines += ["", *goals(section)]
     if "embeddings" in results:
