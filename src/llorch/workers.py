@@ -212,12 +212,17 @@ def open_backend(settings: ServingSettings) -> Backend:
 
 def prepare_weights_memory(config: EngineConfig, device: str) -> None:
     """A GGUF file the C step serves is read into one huge-page arena (weights.arena): have it faulted in
-    while the program imports. A file loaded another way (an embedding model) drops it unused."""
+    while the program imports, and on a warm start read into it too (weights.warm_read). A file loaded
+    another way (an embedding model) drops both unused."""
     if not config.c_step_on(device):
         return
     path = Path(config.model) if config.model else assembled_default_model()
     if path is not None and path.suffix == ".gguf" and path.is_file():
         prepare_arena(path.stat().st_size)
+        if config.pooling != "last":  # last-token embeddings come from torch's hidden states
+            from llorch.weights.warm_read import start_warm_read
+
+            start_warm_read(path)
 
 
 def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
@@ -227,11 +232,13 @@ def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState)
         state.loading_progress = done / total
 
     from llorch.engine.factory import build_engine
+    from llorch.weights.warm_read import drop_warm_read
 
     try:
         engine = build_engine(settings.engine, backend.device, telemetry=state.telemetry, progress=progress)
     finally:
         drop_prepared_arena()
+        drop_warm_read()
     engine.start()
     state.attach(engine)
 

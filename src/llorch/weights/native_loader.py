@@ -25,6 +25,7 @@ from llorch.weights.model_source import (
     read_beside_tokenizer,
     weights_ready,
 )
+from llorch.weights.warm_read import take_warm_read
 
 
 def load_native(path: str | Path, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
@@ -38,9 +39,10 @@ def load_native(path: str | Path, progress: Callable[[int, int], None] | None = 
     # Every tensor is what the config needs before one is read: a header may claim anything.
     check_shapes(path, source.shapes, decoder_weight_shapes(source.config))
     gguf, config = source.gguf, source.config
+    warm = take_warm_read(path)  # a warm start's worker began reading while it imported (weights.warm_read)
     tokenizer, (weights, layouts), started = read_beside_tokenizer(
-        source, lambda advance: read_gguf_weights(gguf, config, gguf.dequantize_array, advance, keep_quantized=True),
-        progress)
+        source, lambda advance: warm or read_gguf_weights(gguf, config, gguf.dequantize_array, advance,
+                                                          keep_quantized=True), progress)
     check_shapes(path, {name: tuple(array.shape) for name, array in weights.items()},
                  expected_weights(path, config, layouts))
     weights = {name: array if name in layouts else np.ascontiguousarray(array, dtype=np.float32)
