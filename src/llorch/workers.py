@@ -1,10 +1,11 @@
 """The three worker programs. Each is hard-wired to one backend; none falls back.
 
-Start-up: backend -> device check -> the weights' memory faulting in -> HTTP server accepting
-(health says loading) -> model load -> residency check -> engine -> ready callback -> serve
-until SIGINT/SIGTERM. This module imports only what parsing the flags needs: the
-engine's and the web stack's ~0.7 s of imports run while a thread faults in the memory the
-weights are read into (weights.arena), without Python's lock.
+Start-up: backend -> device check -> the weights' memory faulting in (on a warm start, the
+weights read into it) -> HTTP server accepting (health says loading) -> model load -> residency
+check -> engine -> ready callback -> serve until SIGINT/SIGTERM. This module imports only what
+parsing the flags needs: the engine's and the web stack's ~0.6 s of imports run while threads
+fault in the memory the weights are read into (weights.arena) and, when the conversion cache
+knows the file, read them (weights.warm_read), without Python's lock.
 An expected failure before serving is one line on stderr and a non-zero exit.
 """
 
