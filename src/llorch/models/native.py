@@ -170,8 +170,8 @@ class NativeDecoder:
                     raise ValueError("the C step needs a contiguous float16 KV cache")
                 desc.keys, desc.values = keys.ctypes.data, values.ctypes.data
             self._bound_cache = [(keys, values) for keys, values in cache]  # held: their memory stays theirs
-        logits = self._logits(len(layout.logit_rows))
         rows = len(layout.logit_rows)
+        logits = self._logits(rows)
         if len(self._best) < rows:
             self._best = (ctypes.c_int64 * rows)()
         # The layout's arrays are contiguous int64 as row_layout builds them: no conversion, every token.

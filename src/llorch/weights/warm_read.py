@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,7 @@ Weights = tuple[dict[str, Any], dict[str, int]]  # entries and layouts, as read_
 @dataclass(frozen=True)
 class _Read:
     path: Path
-    thread: threading.Thread
-    outcome: list[Weights | BaseException]  # filled by the thread
+    weights: Future[Weights]  # its weights, or the error that stopped the read
 
 
 _lock = threading.Lock()
@@ -59,18 +59,17 @@ def start_warm_read(path: Path) -> bool:
         log.debug("no warm read", extra={"path": str(path), "reason": repr(exc)})
         return False
     config = meta.config
-    outcome: list[Weights | BaseException] = []
+    weights: Future[Weights] = Future()
 
     def run() -> None:
         try:
-            outcome.append(read_gguf_weights(gguf, config, gguf.dequantize_array, keep_quantized=True)())
+            weights.set_result(read_gguf_weights(gguf, config, gguf.dequantize_array, keep_quantized=True)())
         except BaseException as exc:  # raised again by the load that takes it
-            outcome.append(exc)
+            weights.set_exception(exc)
 
-    thread = threading.Thread(target=run, name="llorch-warm-read", daemon=True)
-    thread.start()
+    threading.Thread(target=run, name="llorch-warm-read", daemon=True).start()
     with _lock:
-        _pending[:] = [_Read(path.resolve(), thread, outcome)]
+        _pending[:] = [_Read(path.resolve(), weights)]
     return True
 
 
@@ -83,15 +82,7 @@ def take_warm_read(path: Path) -> Callable[[], Weights] | None:
         return None
     if entry.path != path.resolve():
         return None  # another file's: it is dropped
-
-    def finish() -> Weights:
-        entry.thread.join()
-        outcome = entry.outcome[0]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    return finish
+    return entry.weights.result
 
 
 def drop_warm_read() -> None:
