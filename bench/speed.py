@@ -26,9 +26,10 @@ llama-server and sentence-transformers (embeddings.py).
 Figures: prefill tokens/s at 512 prompt tokens (= 512 / time to first token), decode
 tokens/s over 128 tokens; medians over --reps with min..max; ratios are to llama.cpp.
 The roofline: in-process decode (ours and llama.cpp's) as a fraction of the weights read once per
-token at the read bandwidth, measured over a buffer far larger than the last-level cache just
-before and after each decode (the machine's bandwidth drifts within minutes); decoding after a
-one-token prompt (weight-bound, the goal's case) and after the 512-token one.
+token at the read bandwidth, measured over a buffer far larger than the last-level cache; the two
+engines decode in alternating windows of 16 tokens with a probe between every two, each window
+held to the probes on either side of it (the machine's bandwidth drifts within seconds); decoding
+after a one-token prompt (weight-bound, the goal's case) and after the 512-token one.
 One llama.cpp build serves both llama.cpp rows (llama_build.py). A row that fails is
 reported as failed, with its reason, and every other row still runs. Writes
 bench/results/speed-<device>-<time>.json and .png.
@@ -78,6 +79,8 @@ METRICS = ("prefill_tok_s", "decode_tok_s", "ttft_s", "start_to_ready_s", "peak_
 # the bench's prompt (attention over 512 positions is then about a tenth of a step, compute and not weights).
 WEIGHT_BOUND = "weight-bound decode / read bandwidth"
 ROOFLINE_PROMPTS = {WEIGHT_BOUND: 1, "decode / read bandwidth": PROMPT_TOKENS}
+ROOFLINE_WINDOW = 16  # decode tokens between two bandwidth probes (roofline_windows)
+ROOFLINE_WINDOWS = 8  # windows per engine, prompt and repetition
 HIGHER_IS_BETTER = {"prefill_tok_s", "decode_tok_s"}
 
 
@@ -198,23 +201,77 @@ def empty_cache_environment(directory: Path) -> dict[str, str]:
     return {**os.environ, "LLORCH_CACHE_DIR": str(directory)}
 
 
-def roofline_pairs(loaded: LoadedModel, ids: list[int], sizes: dict[str, int], model: Path, llama_cpp: Any | None,
-                   args: argparse.Namespace) -> dict[str, Any]:
-    """In-process decode's weight bytes per second over the read bandwidth probed just before and after it.
+class ReadProbe:
+    """The machine's read bandwidth, one sum over a buffer far larger than the caches (memory_bandwidth_gb_s's
+    buffer, allocated once): about 30 ms a probe, short enough to take between every two decode windows."""
 
-    This machine's bandwidth moves by a third within minutes (neighbours on the host), and decode
-    moves with it: a probe taken once per run put decode anywhere from 45% to 120% of it, so each
-    decode is held to the probes on either side of it, llama.cpp's in the same bracket. `ids`: the prompt
-    decoded after (its first token alone: the weight-bound case, where attention has next to nothing to read)."""
-    runs = []
-    for _ in range(args.reps):
-        before = memory_bandwidth_gb_s()
-        rates = {"llorch": bench_llorch(loaded, ids)["decode_tok_s"] * sizes["llorch"]}
-        if llama_cpp is not None:
-            theirs = bench_llama_cpp(llama_cpp, model, ids, args.threads)
-            rates["llama.cpp"] = theirs["decode_tok_s"] * sizes["llama.cpp"]
-        probe = (before + memory_bandwidth_gb_s()) / 2 * 1e9
-        runs.append({"bandwidth_gb_s": probe / 1e9, **{name: rate / probe for name, rate in rates.items()}})
+    def __init__(self) -> None:
+        self.buffer = torch.ones(probe_bytes() // 4, dtype=torch.float32)
+
+    def __call__(self) -> float:
+        started = time.perf_counter()
+        self.buffer.sum()
+        return self.buffer.numel() * 4 / (time.perf_counter() - started)
+
+
+def roofline_windows(loaded: LoadedModel, ids: list[int], sizes: dict[str, int], model: Path,
+                     llama_cpp: Any | None, args: argparse.Namespace) -> dict[str, Any]:
+    """In-process decode's weight bytes per second over the read bandwidth probed on either side of it.
+
+    This machine's bandwidth moves by half within seconds (neighbours on the host), and decode moves
+    with it: probes taken around a whole 128-token decode put it anywhere from 60% to 100% of them. So
+    each engine decodes in windows of ROOFLINE_WINDOW tokens, ours and llama.cpp's in turn, a probe
+    between every two windows, and each window is held to the mean of the probes on either side of it
+    (about a third of a second apart); the figures are medians over the windows. `ids`: the prompt
+    decoded after (its first token alone: the weight-bound case, where attention has next to nothing
+    to read)."""
+    windows = ROOFLINE_WINDOWS * args.reps
+    tokens = len(ids) + windows * ROOFLINE_WINDOW + 1
+    pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, kv_dtype(loaded))
+    native = loaded.native
+    runner = (ModelRunner(native, None, HOST_KV_DTYPE, pool) if native is not None
+              else ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, pool))
+    blocks = list(range(1, runner.kv.num_blocks))
+    token, position = greedy_token(runner, ChunkInput(ids, 0, blocks, True)), len(ids)
+
+    def ours() -> float:
+        nonlocal token, position
+        started = time.perf_counter()
+        for _ in range(ROOFLINE_WINDOW):
+            token = greedy_token(runner, ChunkInput([token], position, blocks, True))
+            position += 1
+        return sizes["llorch"] * ROOFLINE_WINDOW / (time.perf_counter() - started)
+
+    engines: dict[str, Callable[[], float]] = {"llorch": ours}
+    if llama_cpp is not None:
+        llm = llama_cpp.Llama(model_path=str(model), n_ctx=tokens + 16, n_batch=PROMPT_TOKENS,
+                              n_ubatch=PROMPT_TOKENS, n_threads=args.threads, n_threads_batch=args.threads,
+                              verbose=False)
+        llm.eval(ids)
+        theirs_token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+        def theirs() -> float:
+            nonlocal theirs_token
+            started = time.perf_counter()
+            for _ in range(ROOFLINE_WINDOW):
+                llm.eval([theirs_token])
+                theirs_token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+            return sizes["llama.cpp"] * ROOFLINE_WINDOW / (time.perf_counter() - started)
+
+        engines["llama.cpp"] = theirs
+    probe = ReadProbe()
+    runs: list[dict[str, float]] = []
+    before = probe()
+    for _ in range(windows):
+        run = {}
+        probes = [before]
+        for name, decode in engines.items():
+            rate = decode()
+            after = probe()
+            run[name] = rate / ((before + after) / 2)
+            probes.append(after)
+            before = after
+        runs.append({"bandwidth_gb_s": statistics.median(probes) / 1e9, **run})
     return summarize(runs)
 
 
@@ -291,7 +348,7 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
 
     attempt(section, "llorch (in-process)", lambda: in_process(served))
     for name, length in ROOFLINE_PROMPTS.items():
-        attempt(section, name, lambda length=length: roofline_pairs(  # type: ignore[misc]
+        attempt(section, name, lambda length=length: roofline_windows(  # type: ignore[misc]
             served, ids[:length], section["bytes_per_token"], model, llama_cpp, args), into="roofline")
     port = free_port()
     attempt(section, "llorch HTTP / in-process", lambda: http_share(
@@ -350,16 +407,16 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
+def probe_bytes() -> int:
+    """The read probe's buffer: at least 1 GiB and eight times the last-level cache (some CPUs of this
+    kind have 480 MB of L3)."""
+    return max(1 << 30, 8 * last_level_cache_bytes())
+
+
 def memory_bandwidth_gb_s() -> float:
-    """Read bandwidth: the best of several sums over a buffer far larger than the caches (at least 1 GiB and
-    eight times the last-level cache: some CPUs of this kind have 480 MB of L3)."""
-    buffer = torch.ones(max(1 << 30, 8 * last_level_cache_bytes()) // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - started)
-    return buffer.numel() * 4 / best / 1e9
+    """Read bandwidth: the best of several sums over a buffer far larger than the caches."""
+    probe = ReadProbe()
+    return max(probe() for _ in range(5)) / 1e9
 
 
 def cpu_flags() -> str:
@@ -440,7 +497,7 @@ def report(results: dict[str, Any]) -> list[str]:
 
 def roofline(results: dict[str, Any], section: dict[str, Any]) -> list[str]:
     """Decode is bound by reading the weights once per token: each engine's in-process decode as a fraction
-    of that bound, against the bandwidth probed around it (roofline_pairs), after each roofline prompt."""
+    of that bound, against the bandwidth probed around it (roofline_windows), after each roofline prompt."""
     rows, cache = section.get("roofline", {}), results["machine"].get("llc_mb", 0)
     size = section["bytes_per_token"]["llorch"]
     if not rows:
@@ -448,18 +505,18 @@ def roofline(results: dict[str, Any], section: dict[str, Any]) -> list[str]:
     fits = ("the whole file fits in the last-level cache, so decode can beat this bound" if size / 1e6 <= cache
             else f"{min(cache / (size / 1e6), 1):.0%} of it fits in the {cache:.0f} MB last-level cache" if cache
             else "the last-level cache's size is unknown")
-    lines = [f"roofline: {size / 1e6:.1f} MB of weights per token against the read bandwidth probed just before and "
-             f"after each decode ({fits}):"]
+    lines = [f"roofline: {size / 1e6:.1f} MB of weights per token; each window of {ROOFLINE_WINDOW} decode tokens "
+             f"against the read bandwidth probed just before and after it; medians over the windows ({fits}):"]
     for row, prompt in ROOFLINE_PROMPTS.items():
-        pairs = rows.get(row)
-        if not pairs:
+        windows = rows.get(row)
+        if not windows:
             continue
-        bandwidth = pairs["bandwidth_gb_s"]
+        bandwidth = windows["bandwidth_gb_s"]
         lines.append(f"- decode after {prompt} prompt token{'s' if prompt > 1 else ''} (bandwidth median "
                      f"{bandwidth['median']:.1f}, {bandwidth['min']:.1f}..{bandwidth['max']:.1f} GB/s):")
         for name in ("llorch", "llama.cpp"):
-            if name in pairs:
-                f = pairs[name]
+            if name in windows:
+                f = windows[name]
                 lines.append(f"  - {name} (in-process): {f['median']:.0%} ({f['min']:.0%}..{f['max']:.0%}) of the "
                              "roofline")
     return lines
@@ -484,8 +541,8 @@ def goals(section: dict[str, Any]) -> list[str]:
     floor = 1.4 if section.get("label") == "default" else 1.0
     r = ratio(engines.get("llorch (HTTP)"), engines.get("llama.cpp (HTTP)"), "decode_tok_s")
     check("decode over HTTP vs llama-server", r, f">= {floor}x", None if r is None else r >= floor)
-    pairs = section.get("roofline", {}).get(WEIGHT_BOUND, {}).get("llorch")
-    r = pairs["median"] if pairs else None
+    windows = section.get("roofline", {}).get(WEIGHT_BOUND, {}).get("llorch")
+    r = windows["median"] if windows else None
     check("weight-bound in-process decode / roofline", r, ">= 0.95", None if r is None else r >= 0.95)
     r = ratio(engines.get("llorch (in-process)"), engines.get("llama.cpp (in-process)"), "prefill_tok_s")
     check("prefill at 512 vs llama.cpp", r, ">= 1.5x", None if r is None else r >= 1.5)
