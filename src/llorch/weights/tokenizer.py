@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -33,6 +32,7 @@ from llorch.weights.limits import (
     MAX_VOCAB,
     require_regular_file,
 )
+from llorch.weights.merges import merges_from_vocab
 from llorch.weights.native_tokenizer import NativeSpm, SpmTables, spm_decoder, spm_tables
 from llorch.weights.tokenizer_file import save_tokenizer
 
@@ -65,10 +65,6 @@ BPE_PRE_TOKENIZERS: dict[str, str | None] = {
 }
 # Vocabularies whose reference tokenizer applies Unicode NFC first.
 _NFC_PRE_TOKENIZERS = {"qwen2", "deepseek-r1-qwen"}
-
-# Merges recovered from a SentencePiece vocabulary may total this many times its characters
-# (the default model's give 2.1x).
-MERGE_CHARS_PER_VOCAB_CHAR = 8
 
 # llama.cpp token types (GGUF tokenizer.ggml.token_type)
 TOKEN_CONTROL = 3
@@ -365,7 +361,7 @@ def _build_spm_bpe(
             raise ValueError("a SentencePiece vocabulary needs tokenizer.ggml.scores")
         priority = {token: float(s) for token, s in zip(vocab_tokens, scores, strict=True)}
     vocab = {token: index for index, token in enumerate(vocab_tokens)}
-    merges, merge_ids = _merges_from_vocab(vocab, priority)
+    merges, merge_ids = merges_from_vocab(vocab, priority)
 
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
@@ -448,33 +444,3 @@ def _add_bos_processor(backend: HFTokenizer, tokens: list[str], metadata: dict[s
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
     )
     return int(bos_id)
-
-
-def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]
-                       ) -> tuple[list[tuple[str, str]], np.ndarray]:
-    """All (left, right) splits of each token whose halves are tokens, best merge first, and the same merges as
-    (left, right, merged) ids [m, 3] (for the C tokenizer's tables).
-
-    Ties are ordered by longer left part, then longer right part, then vocabulary
-    order of the merged token and of its halves, matching the reference conversion.
-
-    The merges' total length is bounded by MERGE_CHARS_PER_VOCAB_CHAR times the
-    vocabulary's: a real vocabulary yields about twice its own size, while one built to
-    split every way ("b", "bb", ... "b" x 2000) would yield a cubic amount.
-    """
-    budget = MERGE_CHARS_PER_VOCAB_CHAR * sum(len(token) for token in priority)
-    ranked: list[tuple[float, int, int, int, int, int, str, str, int]] = []
-    for order, (merged, score) in enumerate(priority.items()):
-        merged_id = vocab[merged]
-        for cut in range(1, len(merged)):
-            left, right = merged[:cut], merged[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-score, -len(left), -len(right), order, vocab[left], vocab[right], left, right,
-                               merged_id))
-                budget -= len(merged)
-        if budget < 0:
-            raise ValueError(f"the vocabulary splits into more merges than {MERGE_CHARS_PER_VOCAB_CHAR}x its own "
-                             "size; it is not a SentencePiece vocabulary")
-    ranked.sort()
-    ids = np.array([(left, right, merged) for *_, left, right, _l, _r, merged in ranked], dtype=np.int32)
-    return [(left, right) for *_, left, right, _ in ranked], ids.reshape(-1, 3)
