@@ -82,13 +82,15 @@ def test_saved_merges_are_strings_unless_a_token_holds_a_space(tmp_path: Path) -
         ({"a": 0, " ": 1, "b": 2, "a ": 3, "a b": 4}, [("a", " "), ("a ", "b")], list),
     ):
         built = HFTokenizer(BPE(vocab=vocab, merges=merges))
-        save_tokenizer(built, tmp_path / "tokenizer.json")
-        saved = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"]
-        assert all(isinstance(merge, form) for merge in saved), saved
-        again = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
-        assert again.get_vocab() == built.get_vocab()
-        for text in ("abc", "ab", "a b", "ba", "cab"):
-            assert again.encode(text).ids == built.encode(text).ids, text
+        # As the library wrote them, and as a SentencePiece conversion saves them: given apart from a BPE without.
+        for saving, given in ((built, None), (HFTokenizer(BPE(vocab=vocab, merges=[])), merges)):
+            save_tokenizer(saving, tmp_path / "tokenizer.json", given)
+            saved = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"]
+            assert len(saved) == len(merges) and all(isinstance(merge, form) for merge in saved), saved
+            again = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+            assert again.get_vocab() == built.get_vocab()
+            for text in ("abc", "ab", "a b", "ba", "cab"):
+                assert again.encode(text).ids == built.encode(text).ids, text
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from tokenizers.models import BPE
 
 from llorch.cache import cache_dir
 from llorch.errors import ModelFileError
+from llorch.kernels.build import KernelUnavailable
 from llorch.weights.limits import (
     DEFAULT_JSON_BYTES,
     JSON_FILE_BYTES,
@@ -202,16 +203,19 @@ def tokenizer_from_gguf(metadata: dict[str, Any], source: Path) -> Tokenizer:
         except Exception:  # a damaged cache entry is rebuilt, never trusted
             backend = None
     if backend is None:
+        merges = None
         if kind == "gpt2":
             backend = _build_byte_level_bpe(tokens, token_types, metadata, source)
         else:
-            backend, tables = _build_spm_bpe(tokens, token_types, metadata, architecture)
+            backend, merges, tables = _build_spm_bpe(tokens, token_types, metadata, architecture)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        save_tokenizer(backend, tmp)
+        save_tokenizer(backend, tmp, merges)
         tmp.replace(cached)
         if tables is not None:
             tables.save(cached)
+        if merges is not None:  # the backend above has no merges: the saved vocabulary, as a warm start reads it
+            backend = _spm_backend(tables, cached)
 
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos_ids = {int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -339,14 +343,29 @@ def _vocab_key(metadata: dict[str, Any], tokens: list[str], types: list[int], ar
     return digest.hexdigest()[:32]
 
 
+def _spm_backend(tables: SpmTables | None, saved: Path) -> HFTokenizer | NativeSpm:
+    """A SentencePiece vocabulary just saved: the C tokenizer over its tables, or `tokenizers` reading the JSON
+    where the C code does not reproduce it (or is not built here)."""
+    if tables is not None:
+        try:
+            return NativeSpm(tables, saved)
+        except KernelUnavailable:
+            pass
+    return HFTokenizer.from_file(str(saved))
+
+
 def _build_spm_bpe(
     tokens: list[str], token_types: list[int], metadata: dict[str, Any], architecture: str
-) -> tuple[HFTokenizer, SpmTables | None]:
-    """A SentencePiece BPE vocabulary (byte fallback, "▁" for spaces) as a `tokenizers` BPE.
+) -> tuple[HFTokenizer, list[tuple[str, str]], SpmTables | None]:
+    """A SentencePiece BPE vocabulary (byte fallback, "▁" for spaces) as a `tokenizers` BPE, built without its
+    merges, which come back beside it for the saved JSON (save_tokenizer), and the C tokenizer's tables.
 
     GGUF files of this kind carry no merge list, so merges are recovered from the
     vocabulary: every way to split a token into two tokens is a merge, ranked by how
-    early SentencePiece would merge it (the merged token's priority).
+    early SentencePiece would merge it (the merged token's priority). Why not hand them to the
+    BPE: converting Gemma 3's 515k pairs into the library's object, and decoding them again
+    from its JSON to save them, took about 1 s of a first start that then tokenizes with the
+    C code (or the saved JSON).
     """
     if architecture.startswith("gemma"):
         # Gemma's files spell whitespace-run tokens with real spaces while its text
@@ -365,7 +384,7 @@ def _build_spm_bpe(
 
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
-    backend = HFTokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend = HFTokenizer(BPE(vocab=vocab, merges=[], unk_token=unk, fuse_unk=True, byte_fallback=True))
     prepend = not architecture.startswith("gemma") and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     if architecture.startswith("gemma"):
         backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
@@ -379,7 +398,7 @@ def _build_spm_bpe(
     _add_vocab_specials(backend, tokens, token_types, vocab)
     bos = _add_bos_processor(backend, tokens, metadata, default=True)
     byte_tokens = {i for t, i in vocab.items() if BYTE_TOKEN.fullmatch(t)}
-    return backend, spm_tables(backend, vocab, merge_ids, len(tokens), prepend, bos, byte_tokens)
+    return backend, merges, spm_tables(backend, vocab, merge_ids, len(tokens), prepend, bos, byte_tokens)
 
 
 def _build_byte_level_bpe(
