@@ -1,7 +1,8 @@
 """llama.cpp for the benchmarks: one build, from the pinned source, serving every llama.cpp row.
 
 PyPI's llama-cpp-python source distribution vendors llama.cpp; it is built once on this
-machine (native CPU flags, shared libraries) and cached. That one build gives:
+machine (native CPU flags, shared libraries) and cached; on a CPU with AMX without it (NO_AMX).
+That one build gives:
 - `llama-server`, llama.cpp's own HTTP server (parallel slots, continuous batching);
 - `llama-quantize`, to make the Q4_K_M benchmark model;
 - the shared libraries that llama-cpp-python's Python bindings load for the in-process
@@ -28,7 +29,23 @@ from typing import Any
 
 PINNED = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("LLORCH_BENCH_CACHE", Path.home() / ".cache" / "llorch-bench"))
-HOME = CACHE / PINNED.replace("==", "-")
+# On CPUs with AMX, the native build's AMX code faults (seen on a Xeon of this machine kind): there it is
+# built without AMX, for the rest of its native flags, and the report says so.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def _has_amx() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag.startswith("amx") for line in text.splitlines() if line.startswith("flags")
+               for flag in line.split(":", 1)[1].split())
+
+
+WITHOUT_AMX = _has_amx()
+HOME = CACHE / (PINNED.replace("==", "-") + ("-no-amx" if WITHOUT_AMX else ""))
+BUILD_FLAGS = f"native, without AMX ({NO_AMX}: its AMX code faults on this CPU)" if WITHOUT_AMX else "native"
 TARGETS = ("llama-server", "llama-quantize", "llama")
 
 
@@ -47,9 +64,11 @@ def ensure_build(log: Path | None = None) -> Path:
         package = _source(work, out)
         source = package / "vendor" / "llama.cpp"
         build = work / "build"
+        # GCC keeps an explicit -mno-amx-* over -march=native wherever it stands on the command line.
+        amx = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"] if WITHOUT_AMX else []
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                        "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=ON"], check=True, stdout=out, stderr=out)
+                        "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=ON", *amx], check=True, stdout=out, stderr=out)
         subprocess.run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", str(os.cpu_count() or 1)],
                        check=True, stdout=out, stderr=out)
         (staging / "bin").mkdir()

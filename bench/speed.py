@@ -436,6 +436,8 @@ def ratio(mine: dict[str, Any] | None, theirs: dict[str, Any] | None, metric: st
 def report(results: dict[str, Any]) -> list[str]:
     lines = [f"machine: {results['machine']['cpu']}; {results['threads']} threads; read bandwidth "
              f"{results['machine']['bandwidth_gb_s']:.1f} GB/s; CPU flags: {results['machine']['flags']}"]
+    if "llama_cpp" in results:
+        lines.append(f"llama.cpp: {results['llama_cpp']}")
     for label, section in results["models"].items():
         engines = section.get("engines", {})
         lines += ["", f"## {label}: {section['file']} ({section['file_mb']} MB); prompt {PROMPT_TOKENS}, decode "
@@ -623,8 +625,9 @@ def main() -> None:
         print("llama.cpp: the pinned build (built once, a few minutes)", flush=True)
         try:
             llama_cpp = llama_build.bindings()
+            results["llama_cpp"] = f"{llama_build.PINNED}'s vendored source, built {llama_build.BUILD_FLAGS}"
         except Exception as exc:  # every llama.cpp row is then reported as unavailable
-            results["llama_cpp_unavailable"] = f"{type(exc).__name__}: {exc}"
+            results["llama_cpp"] = f"unavailable: {type(exc).__name__}: {exc}"
             print(f"  unavailable: {exc}", flush=True)
     sources = {"default": models.default_model, "1b": models.billion_model, "3b": models.three_billion_model}
     for label in args.models.split(","):
