@@ -1,7 +1,7 @@
 """SentencePiece BPE merges recovered from a vocabulary, with numpy instead of a Python loop.
 
 GGUF files of this kind carry no merge list: every way to split a token into two tokens
-is a merge, ranked by the merged token's priority. Asking a dict about each of the 1.8
+is a merge, ranked by the merged token's priority. Asking a dict about each of the 1.2
 million cuts of Gemma 3's 262k tokens took about 2 s of a first start; here every cut's
 two halves are hashed at once (a polynomial hash mod 2^64 over the vocabulary's code points,
 the prefix-sum form), looked up among the tokens' own hashes, and each match is then compared
