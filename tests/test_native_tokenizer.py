@@ -154,3 +154,21 @@ def test_without_the_c_kernels_the_library_serves(gemma: tuple[Tokenizer, HFToke
     ours, _ = gemma
     monkeypatch.setenv("LLORCH_KERNELS", "no-such-variant")
     assert ours.saved is not None and NativeSpm.load(ours.saved) is None
+
+
+@pytest.mark.parametrize("kernels", ["built", "missing"])
+def test_a_first_start_serves_what_a_warm_start_would(model_path: Path, gemma: tuple[Tokenizer, HFTokenizer],
+                                                      kernels: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Converted into an empty cache, the vocabulary is served at once by the C tokenizer over the tables just
+    built (or, without the C kernels, by the library reading the JSON just saved), and both encode as the
+    warm start's tokenizer does."""
+    monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path))
+    if kernels == "missing":
+        monkeypatch.setenv("LLORCH_KERNELS", "no-such-variant")
+    first = tokenizer_from_gguf(GGUFFile(model_path).metadata, model_path)
+    assert first.saved is not None and first.saved.is_relative_to(tmp_path)
+    assert isinstance(first.backend, NativeSpm if kernels == "built" else HFTokenizer)
+    warm, _ = gemma
+    for text in [*FRAGMENTS, "".join(FRAGMENTS)]:
+        assert first.encode(text) == warm.encode(text), text
