@@ -222,9 +222,9 @@ def roofline_windows(loaded: LoadedModel, ids: list[int], sizes: dict[str, int],
     with it: probes taken around a whole 128-token decode put it anywhere from 60% to 100% of them. So
     each engine decodes in windows of ROOFLINE_WINDOW tokens, ours and llama.cpp's in turn, a probe
     between every two windows, and each window is held to the mean of the probes on either side of it
-    (about a third of a second apart); the figures are medians over the windows. `ids`: the prompt
-    decoded after (its first token alone: the weight-bound case, where attention has next to nothing
-    to read)."""
+    (a window apart: 0.15 s on the default model, about 1.3 s on the 3B); the figures are medians over
+    the windows. `ids`: the prompt decoded after (its first token alone: the weight-bound case, where
+    attention has next to nothing to read)."""
     windows = ROOFLINE_WINDOWS * args.reps
     tokens = len(ids) + windows * ROOFLINE_WINDOW + 1
     pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, kv_dtype(loaded))
