@@ -107,14 +107,18 @@ def timed_greedy(prefill: Callable[[], int], step: Callable[[int, int], int]) ->
 
 
 # -- in-process engines ------------------------------------------------------------------------------
-def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
-    tokens = len(ids) + DECODE_TOKENS + 1
+def decode_runner(loaded: LoadedModel, tokens: int) -> tuple[ModelRunner, list[int]]:
+    """The worker's runner for one stream of `tokens` positions (the C step on host arrays, where it runs)
+    and the KV blocks that stream uses."""
     pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, kv_dtype(loaded))
-    native = loaded.native  # the worker's runner: the C step on host arrays, where it runs
+    native = loaded.native
     runner = (ModelRunner(native, None, HOST_KV_DTYPE, pool) if native is not None
               else ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, pool))
-    blocks = list(range(1, runner.kv.num_blocks))
+    return runner, list(range(1, runner.kv.num_blocks))
 
+
+def bench_llorch(loaded: LoadedModel, ids: list[int]) -> dict[str, float]:
+    runner, blocks = decode_runner(loaded, len(ids) + DECODE_TOKENS + 1)
     return timed_greedy(lambda: greedy_token(runner, ChunkInput(ids, 0, blocks, True)),
                         lambda token, i: greedy_token(runner, ChunkInput([token], len(ids) + i, blocks, True)))
 
@@ -130,20 +134,22 @@ def bench_llama_cpp(llama_cpp: Any, model: Path, ids: list[int], threads: int) -
     llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_batch=PROMPT_TOKENS, n_ubatch=PROMPT_TOKENS,
                           n_threads=threads, n_threads_batch=threads, verbose=False)
 
-    def next_token() -> int:  # argmax of the last evaluated token's logits, as ours is
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
-
     def prefill() -> int:
         llm.reset()
         llm.eval(ids)
-        return next_token()
+        return llama_next_token(llm)
 
     def step(token: int, _: int) -> int:
         llm.eval([token])
-        return next_token()
+        return llama_next_token(llm)
 
     timed_greedy(prefill, step)  # warm-up
     return timed_greedy(prefill, step)
+
+
+def llama_next_token(llm: Any) -> int:
+    """The argmax of the last evaluated token's logits, as ours is taken."""
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
 
 def bench_transformers(model: Path, ids: list[int]) -> dict[str, float]:
@@ -227,11 +233,7 @@ def roofline_windows(loaded: LoadedModel, ids: list[int], sizes: dict[str, int],
     attention has next to nothing to read)."""
     windows = ROOFLINE_WINDOWS * args.reps
     tokens = len(ids) + windows * ROOFLINE_WINDOW + 1
-    pool = (tokens // BLOCK_SIZE + 3) * bytes_per_block(loaded.config, kv_dtype(loaded))
-    native = loaded.native
-    runner = (ModelRunner(native, None, HOST_KV_DTYPE, pool) if native is not None
-              else ModelRunner(loaded.model, torch.device("cpu"), loaded.dtype, pool))
-    blocks = list(range(1, runner.kv.num_blocks))
+    runner, blocks = decode_runner(loaded, tokens)
     token, position = greedy_token(runner, ChunkInput(ids, 0, blocks, True)), len(ids)
 
     def ours() -> float:
@@ -248,14 +250,14 @@ def roofline_windows(loaded: LoadedModel, ids: list[int], sizes: dict[str, int],
                               n_ubatch=PROMPT_TOKENS, n_threads=args.threads, n_threads_batch=args.threads,
                               verbose=False)
         llm.eval(ids)
-        theirs_token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+        theirs_token = llama_next_token(llm)
 
         def theirs() -> float:
             nonlocal theirs_token
             started = time.perf_counter()
             for _ in range(ROOFLINE_WINDOW):
                 llm.eval([theirs_token])
-                theirs_token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+                theirs_token = llama_next_token(llm)
             return sizes["llama.cpp"] * ROOFLINE_WINDOW / (time.perf_counter() - started)
 
         engines["llama.cpp"] = theirs

@@ -20,7 +20,6 @@ MERGE_CHARS_PER_VOCAB_CHAR = 8
 # character, would cost more memory than the loop's time is worth: the loop decides.
 MAX_VECTORIZED_CHARS = 4 << 20
 _BASE = 0x9E3779B97F4A7C15  # odd, so it has an inverse mod 2^64
-_MASK = (1 << 64) - 1
 
 
 class TooManyMerges(ValueError):
@@ -44,9 +43,10 @@ def merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]
     tokens = list(priority)  # each token once, in the order that breaks the last ties
     count = len(tokens)
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=count)
-    budget = MERGE_CHARS_PER_VOCAB_CHAR * int(lengths.sum())
-    if lengths.sum() > MAX_VECTORIZED_CHARS:
+    chars = int(lengths.sum())
+    if chars > MAX_VECTORIZED_CHARS:
         return merges_by_loop(vocab, priority)
+    budget = MERGE_CHARS_PER_VOCAB_CHAR * chars
     code = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     starts = np.cumsum(lengths) - lengths
     span = _Spans(code)
