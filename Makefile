@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8080
 
-.PHONY: setup test-setup bytecode serve serve-ray test lint bench bench-concurrency clean
+.PHONY: setup test-setup bytecode kernels serve serve-ray test lint bench bench-concurrency clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,21 +43,26 @@ test-setup: $(VENV)/.installed-test
 bytecode: setup
 	$(PY) -m compileall -q src
 
-serve: setup bytecode
+# The C kernels for this CPU, built at set-up so that a worker's first start only loads them (compiling is
+# about 4 s of it on two cores otherwise). A worker started without this builds them itself.
+kernels: setup
+	$(PY) -m llorch.kernels
+
+serve: setup bytecode kernels
 	$(VENV)/bin/llorch-cpu-worker --port $(PORT) $(ARGS)
 
 # Engines as Ray Serve replicas behind one endpoint: make serve-ray ARGS="--replicas 2 --replica-cpus 1"
-serve-ray: $(VENV)/.installed-ray bytecode
+serve-ray: $(VENV)/.installed-ray bytecode kernels
 	$(VENV)/bin/llorch-ray-serve --port $(PORT) $(ARGS)
 
 lint: test-setup
 	$(PY) -m ruff check src tests bench
 
-test: test-setup bytecode
+test: test-setup bytecode kernels
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed-bench bytecode
+bench: $(VENV)/.installed-bench bytecode kernels
 	$(PY) bench/speed.py $(ARGS)
 
 bench-concurrency: test-setup bytecode

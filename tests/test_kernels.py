@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -306,9 +308,25 @@ def test_a_missing_compiler_is_reported_in_one_line(monkeypatch: pytest.MonkeyPa
         build.build_library(build.runnable_variants()[-1])
 
 
-def test_each_variant_is_built_once_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_set_up_builds_the_kernels_once_and_a_first_start_only_finds_them(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """`python -m llorch.kernels` is `make serve`'s set-up step: the library it leaves is the one a worker's
+    first start asks for, found without a second build."""
     monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path))
-    variant = build.runnable_variants()[0]
-    first = build.build_library(variant)
-    stamp = first.stat().st_mtime_ns
-    assert build.build_library(variant) == first and first.stat().st_mtime_ns == stamp
+    done = subprocess.run([sys.executable, "-m", "llorch.kernels"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    (built,) = (tmp_path / "kernels").glob("*.so")
+    assert str(built) in done.stdout
+    stamp = built.stat().st_mtime_ns
+    assert build.build_library(build.chosen_variant()) == built and built.stat().st_mtime_ns == stamp
+
+
+def test_set_up_without_a_compiler_says_why_and_leaves_the_worker_to_run_without(monkeypatch: pytest.MonkeyPatch,
+                                                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("LLORCH_CACHE_DIR", str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "llorch.kernels"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert done.stderr.strip() == ("llorch kernels not built: no C compiler ('no-such-compiler-here' is not on "
+                                   "PATH; set CC)")
+    assert not (tmp_path / "kernels").exists() or not list((tmp_path / "kernels").glob("*.so"))
