@@ -176,6 +176,7 @@ _SIGNATURES = {
     "llorch_tok_lookup": ([_P, ctypes.c_char_p, _I64], _I64),
     "llorch_tok_encode": ([_P, ctypes.c_char_p, _I64, _P], _I64),
     "llorch_tok_decode": ([_P, _P, _I64, _INT, _P, _I64], _I64),
+    "llorch_spm_merges": ([_I64, _P, _P, _P, _P, _I64, _P, _I64], _I64),
 }
 
 
@@ -225,6 +226,13 @@ def library() -> ctypes.CDLL:
         lib = _library_for(forced)
     _chosen = (forced, lib)
     return lib
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The kernels library() gives, if this process has it already; None while a first start still builds it
+    (or it cannot be): for work that has a slower way without it and should not wait."""
+    chosen = _chosen
+    return chosen[1] if chosen is not None and chosen[0] == os.environ.get("LLORCH_KERNELS") else None
 
 
 def start_building() -> None:

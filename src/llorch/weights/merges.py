@@ -6,10 +6,14 @@ million cuts of Gemma 3's 262k tokens took about 2 s of a first start; here ever
 two halves are hashed at once (a polynomial hash mod 2^64 over the vocabulary's code points,
 the prefix-sum form), looked up among the tokens' own hashes, and each match is then compared
 character by character, so the result is exact whatever the hash does. Should two tokens share
-a hash (never seen; a file could be built for it), the plain loop decides instead.
+a hash (never seen; a file could be built for it), the plain loop decides instead. Where the C
+kernels are loaded already (set-up builds them), csrc/merges.c does the same in tens of
+milliseconds with a hash table of the tokens.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -28,10 +32,11 @@ class TooManyMerges(ValueError):
                          "it is not a SentencePiece vocabulary")
 
 
-def merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]
+def merges_from_vocab(vocab: dict[str, int], priority: dict[str, float], lib: ctypes.CDLL | None = None
                       ) -> tuple[list[tuple[str, str]], np.ndarray]:
     """All (left, right) splits of each token whose halves are tokens, best merge first, and the same merges as
-    (left, right, merged) ids [m, 3] (for the C tokenizer's tables).
+    (left, right, merged) ids [m, 3] (for the C tokenizer's tables). `lib`: the loaded kernels, whose C form
+    (csrc/merges.c) finds them in tens of milliseconds; without them numpy's.
 
     Ties are ordered by longer left part, then longer right part, then vocabulary
     order of the merged token, matching the reference conversion.
@@ -44,18 +49,53 @@ def merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]
     count = len(tokens)
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=count)
     chars = int(lengths.sum())
-    if chars > MAX_VECTORIZED_CHARS:
+    if chars > MAX_VECTORIZED_CHARS and lib is None:
         return merges_by_loop(vocab, priority)
     budget = MERGE_CHARS_PER_VOCAB_CHAR * chars
     code = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
     starts = np.cumsum(lengths) - lengths
+    scores = np.fromiter(priority.values(), dtype=np.float64, count=count)
+    found = (_merges_in_c(lib, code, starts, lengths, scores, budget) if lib is not None
+             else _merges_in_numpy(code, starts, lengths, scores, budget))
+    if found is None:  # two tokens share a hash
+        return merges_by_loop(vocab, priority)
+    left, right, token = found
+    ids = np.fromiter(map(vocab.__getitem__, tokens), dtype=np.int64, count=count)
+    merge_ids = np.stack([ids[left], ids[right], ids[token]], axis=1).astype(np.int32)
+    merges = list(zip(map(tokens.__getitem__, left.tolist()), map(tokens.__getitem__, right.tolist()), strict=True))
+    return merges, merge_ids
+
+
+def _merges_in_c(lib: ctypes.CDLL, code: np.ndarray, starts: np.ndarray, lengths: np.ndarray, scores: np.ndarray,
+                 budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(left, right, merged) token indexes, ranked, from csrc/merges.c."""
+    code, starts = np.ascontiguousarray(code), np.ascontiguousarray(starts, dtype=np.int64)
+    capacity = 2 * len(lengths) + 1024  # a real vocabulary's merges: about two a token
+    while True:
+        out = np.empty((capacity, 3), dtype=np.int32)
+        found = lib.llorch_spm_merges(len(lengths), code.ctypes.data, starts.ctypes.data, lengths.ctypes.data,
+                                      scores.ctypes.data, budget, out.ctypes.data, capacity)
+        if found == -1:
+            raise TooManyMerges()
+        if found < 0:
+            raise MemoryError("recovering the vocabulary's merges ran out of memory")
+        if found <= capacity:
+            return out[:found, 0], out[:found, 1], out[:found, 2]
+        capacity = found
+
+
+def _merges_in_numpy(code: np.ndarray, starts: np.ndarray, lengths: np.ndarray, scores: np.ndarray, budget: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(left, right, merged) token indexes, ranked, by hashing every cut at once; None when two tokens share a
+    hash."""
+    count = len(lengths)
     span = _Spans(code)
     whole = lengths > 0
     token_hash = span.hash(starts[whole], starts[whole] + lengths[whole])
     order = np.argsort(token_hash, kind="stable")
     sorted_hash, sorted_token = token_hash[order], np.flatnonzero(whole)[order]
     if np.any(sorted_hash[1:] == sorted_hash[:-1]):
-        return merges_by_loop(vocab, priority)
+        return None
 
     # Every cut: the token it splits and the length of its left half.
     cuts = np.maximum(lengths - 1, 0)
@@ -75,14 +115,8 @@ def merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]
     same = _equal(code, starts[token], starts[left], left_length) & \
         _equal(code, starts[token] + left_length, starts[right], lengths[token] - left_length)
     token, left, right, left_length = token[same], left[same], right[same], left_length[same]
-
-    scores = np.fromiter(priority.values(), dtype=np.float64, count=count)
     ranked = np.lexsort((token, -(lengths[token] - left_length), -left_length, -scores[token]))
-    token, left, right = token[ranked], left[ranked], right[ranked]
-    ids = np.fromiter(map(vocab.__getitem__, tokens), dtype=np.int64, count=count)
-    merge_ids = np.stack([ids[left], ids[right], ids[token]], axis=1).astype(np.int32)
-    merges = list(zip(map(tokens.__getitem__, left.tolist()), map(tokens.__getitem__, right.tolist()), strict=True))
-    return merges, merge_ids
+    return left[ranked], right[ranked], token[ranked]
 
 
 class _Spans:

@@ -23,7 +23,7 @@ from tokenizers.models import BPE
 
 from llorch.cache import cache_dir
 from llorch.errors import ModelFileError
-from llorch.kernels.build import KernelUnavailable
+from llorch.kernels.build import KernelUnavailable, loaded
 from llorch.weights.limits import (
     DEFAULT_JSON_BYTES,
     JSON_FILE_BYTES,
@@ -380,7 +380,7 @@ def _build_spm_bpe(
             raise ValueError("a SentencePiece vocabulary needs tokenizer.ggml.scores")
         priority = {token: float(s) for token, s in zip(vocab_tokens, scores, strict=True)}
     vocab = {token: index for index, token in enumerate(vocab_tokens)}
-    merges, merge_ids = merges_from_vocab(vocab, priority)
+    merges, merge_ids = merges_from_vocab(vocab, priority, loaded())
 
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
