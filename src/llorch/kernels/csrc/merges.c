@@ -1,8 +1,9 @@
 /* SentencePiece BPE merges recovered from a vocabulary (weights/merges.py says what and why).
  *
  * Why in C: numpy's hashed form of this took about 1 s of a first start on Gemma 3's 262k tokens
- * (1.2 million cuts); a hash table of the tokens answers every cut in tens of milliseconds. Used
- * when the kernels are loaded already (set-up builds them); merges.py's numpy form otherwise.
+ * (1.2 million cuts); a hash table of the tokens answers every cut and ranks the 515k merges in
+ * about 0.2 s. Used when the kernels are loaded already (set-up builds them); merges.py's numpy
+ * form otherwise.
  *
  * Tokens are runs of code points: token t is code[starts[t] : starts[t] + lengths[t]], each token
  * once. Every cut of t whose two halves are tokens is a merge (left, right, t), ranked by t's
