@@ -27,6 +27,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from llorch.kernels.build import cpu_flags
+
 PINNED = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("LLORCH_BENCH_CACHE", Path.home() / ".cache" / "llorch-bench"))
 # On CPUs with AMX, the native build's AMX code faults (seen on a Xeon of this machine kind): there it is
@@ -34,16 +36,7 @@ CACHE = Path(os.environ.get("LLORCH_BENCH_CACHE", Path.home() / ".cache" / "llor
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
-def _has_amx() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag.startswith("amx") for line in text.splitlines() if line.startswith("flags")
-               for flag in line.split(":", 1)[1].split())
-
-
-WITHOUT_AMX = _has_amx()
+WITHOUT_AMX = any(flag.startswith("amx") for flag in cpu_flags())
 HOME = CACHE / (PINNED.replace("==", "-") + ("-no-amx" if WITHOUT_AMX else ""))
 BUILD_FLAGS = f"native, without AMX ({NO_AMX}: its AMX code faults on this CPU)" if WITHOUT_AMX else "native"
 TARGETS = ("llama-server", "llama-quantize", "llama")

@@ -69,7 +69,6 @@ def merges_from_vocab(vocab: dict[str, int], priority: dict[str, float], lib: ct
 def _merges_in_c(lib: ctypes.CDLL, code: np.ndarray, starts: np.ndarray, lengths: np.ndarray, scores: np.ndarray,
                  budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(left, right, merged) token indexes, ranked, from csrc/merges.c."""
-    code, starts = np.ascontiguousarray(code), np.ascontiguousarray(starts, dtype=np.int64)
     capacity = 2 * len(lengths) + 1024  # a real vocabulary's merges: about two a token
     while True:
         out = np.empty((capacity, 3), dtype=np.int32)

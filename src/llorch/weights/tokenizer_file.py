@@ -40,4 +40,3 @@ def save_tokenizer(backend: HFTokenizer, target: Path, merges: list[tuple[str, s
                   else json.dumps([f"{left} {right}" for left, right in pairs], ensure_ascii=False))
         text = text[:start] + joined + text[end:]
     target.write_text(text, encoding="utf-8")
-
