@@ -72,6 +72,7 @@ from llorch.kernels import build as kernels
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.loader import LoadedModel, load_model
 from llorch.weights.native_loader import load_native
+from llorch.weights.weight_image import wait_for_images
 from soak import rss_mb
 
 PROMPT_TOKENS = 512
@@ -369,6 +370,7 @@ def attempt(section: dict[str, Any], name: str, measure: Callable[[], Any], into
 def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: Any | None) -> dict[str, Any]:
     section: dict[str, Any] = {"label": label, "file": model.name, "file_mb": round(model.stat().st_size / 1e6, 1)}
     served = load_native(model)  # as the CPU worker loads it
+    wait_for_images()  # its first load writes the matrices' image: done before anything is timed
     ids = prompt_ids(served)
     prompt = served.tokenizer.decode(ids[1:])  # without BOS: both servers add it
     section["bytes_per_token"] = {"llorch": sum(served.model.weights[name].nbytes for name in served.model.types),

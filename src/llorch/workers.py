@@ -5,7 +5,8 @@ weights read into it) -> HTTP server accepting (health says loading) -> model lo
 check -> engine -> ready callback -> serve until SIGINT/SIGTERM. This module imports only what
 parsing the flags needs: the engine's and the web stack's ~0.6 s of imports run while threads
 fault in the memory the weights are read into (weights.arena) and, when the conversion cache
-knows the file, read them (weights.warm_read), without Python's lock.
+knows the file, read them (weights.warm_read), without Python's lock; or map them, when the
+cache holds their image (weights.weight_image).
 An expected failure before serving is one line on stderr and a non-zero exit.
 """
 
@@ -176,17 +177,21 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     except StartupError as exc:
         report_failure(program, str(exc))
         return exc.exit_code
-    prepare_weights_memory(settings.engine, backend.device)
-    # The web stack (and the engine's) and the event loop, imported while the arena faults in.
-    import uvloop
-
-    from llorch.api.app import create_app
+    warm = prepare_weights_memory(settings.engine, backend.device)
     from llorch.api.state import WorkerState
 
     state = WorkerState(backend=backend.name, device=str(backend.device))
+    # A warm start loads while the web stack imports: its load is C calls that leave Python's lock (a first
+    # start's conversion holds it for seconds, and loads once the server accepts, in Lifecycle.run).
+    loading = Loading(settings, backend, state) if warm else None
+    # The web stack and the event loop, imported while the arena faults in (and a warm start loads).
+    import uvloop
+
+    from llorch.api.app import create_app
+
     app = create_app(state, settings.api_key, settings.origins, slots=settings.slots)
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
-    lifecycle = Lifecycle(program, args, settings, backend, state, worker_id, process_start)
+    lifecycle = Lifecycle(program, args, settings, backend, state, worker_id, process_start, loading)
     try:
         # uvloop: the event loop's own work per streamed token (wake-up, socket write) is about half
         # of asyncio's, and on a 2-core machine that time is taken from the step's threads.
@@ -211,19 +216,22 @@ def open_backend(settings: ServingSettings) -> Backend:
     return backend
 
 
-def prepare_weights_memory(config: EngineConfig, device: str) -> None:
+def prepare_weights_memory(config: EngineConfig, device: str) -> bool:
     """A GGUF file the C step serves is read into one huge-page arena (weights.arena): have it faulted in
-    while the program imports, and on a warm start read into it too (weights.warm_read). A file loaded
-    another way (an embedding model) drops both unused."""
+    while the program imports, and on a warm start read into it too (weights.warm_read), or its image
+    mapped instead. A file loaded another way (an embedding model) drops both unused. Whether the warm
+    read began (the conversion cache knows the file)."""
     if not config.c_step_on(device):
-        return
+        return False
     path = Path(config.model) if config.model else assembled_default_model()
-    if path is not None and path.suffix == ".gguf" and path.is_file():
+    if path is None or path.suffix != ".gguf" or not path.is_file():
+        return False
+    if config.pooling == "last":  # last-token embeddings come from torch's hidden states
         prepare_arena(path.stat().st_size)
-        if config.pooling != "last":  # last-token embeddings come from torch's hidden states
-            from llorch.weights.warm_read import start_warm_read
+        return False
+    from llorch.weights.warm_read import start_warm_read
 
-            start_warm_read(path)
+    return start_warm_read(path)  # it prepares the arena too, unless the matrices' image maps instead
 
 
 def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
@@ -244,8 +252,8 @@ def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState)
     state.attach(engine)
 
 
-def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
-    """load_engine in a thread of its own that ends with it (its errors raised here).
+class Loading:
+    """load_engine in a thread of its own that ends with it; wait() raises its errors.
 
     Loading runs OpenMP regions (torch's, the kernels' repacking); OpenMP keeps a pool of
     threads for every thread that ran one, for as long as that thread lives. Had a long-lived
@@ -255,28 +263,39 @@ def load_in_passing_thread(settings: ServingSettings, backend: Backend, state: W
     (about 10 ms more per token on the default model with 2 threads on 2 cores). A thread that
     ends takes its pool with it.
     """
-    failure: list[BaseException] = []
 
-    def run() -> None:
+    def __init__(self, settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
+        # What the load imports, imported here first: two threads importing the same modules at once
+        # can deadlock on their import locks, and a warm start's load runs beside the web stack's imports.
+        import multiprocessing.synchronize  # noqa: F401  (the chat template's helper process)
+
+        import llorch.engine.factory  # noqa: F401
+
+        self._failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(settings, backend, state), name="llorch-load",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
         try:
             load_engine(settings, backend, state)
-        except BaseException as exc:  # raised again in the caller's thread
-            failure.append(exc)
+        except BaseException as exc:  # raised again by wait()
+            self._failure.append(exc)
 
-    thread = threading.Thread(target=run, name="llorch-load", daemon=True)
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+    def wait(self) -> None:
+        self._thread.join()
+        if self._failure:
+            raise self._failure[0]
 
 
 class Lifecycle:
     """bind -> load (health says loading) -> ready callback -> serve -> drain on SIGTERM/SIGINT -> exit."""
 
     def __init__(self, program: str, args: argparse.Namespace, settings: ServingSettings, backend: Backend,
-                 state: WorkerState, worker_id: str, process_start: float) -> None:
+                 state: WorkerState, worker_id: str, process_start: float, loading: Loading | None = None) -> None:
         self.program, self.args, self.settings, self.backend, self.state = program, args, settings, backend, state
         self.worker_id, self.process_start = worker_id, process_start
+        self.loading = loading  # a warm start's load, begun before the server
         self.server: uvicorn.Server | None = None
         self.drain_task: asyncio.Task[None] | None = None
 
@@ -309,7 +328,8 @@ class Lifecycle:
         try:
             # After binding: a first start converts the model in Python for seconds, which would starve the
             # server's start of Python's lock.
-            await asyncio.to_thread(load_in_passing_thread, self.settings, self.backend, self.state)
+            loading = self.loading or Loading(self.settings, self.backend, self.state)
+            await asyncio.to_thread(loading.wait)
         except StartupError as exc:
             report_failure(self.program, str(exc))
             await self.stop_server(task)

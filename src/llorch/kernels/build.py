@@ -113,19 +113,34 @@ def _sources() -> list[Path]:
     return sorted(SOURCES.glob("*.c"))
 
 
+def _flags(variant: Variant, defines: tuple[str, ...] = ()) -> list[str]:
+    flags = ["-O3", "-shared", "-fPIC", "-std=c11", *variant.flags, *(f"-D{define}" for define in defines)]
+    if sys.platform != "darwin":  # Apple's clang has no OpenMP; there the kernels run on one thread
+        flags.append("-fopenmp")
+    return flags
+
+
+def _target(variant: Variant, compiler: str, flags: list[str]) -> Path:
+    """Where the library of these sources, compiler and flags is cached: a digest of all three names it."""
+    digest = hashlib.sha256()
+    for source in [*_sources(), *sorted(SOURCES.glob("*.h"))]:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    digest.update(_compiler_version(compiler).encode() + " ".join(flags).encode())
+    return cache_dir() / "kernels" / f"llorch-{variant.name}-{digest.hexdigest()[:20]}.so"
+
+
+def library_name() -> str:
+    """The name of the library library() gives (built or not): what changes whenever its code does."""
+    return _target(chosen_variant(), _compiler(), _flags(chosen_variant())).stem
+
+
 def build_library(variant: Variant, defines: tuple[str, ...] = ()) -> Path:
     """The compiled library of `variant`, building it when the cache has none. `defines`: macros for
     builds other than the worker's (LLORCH_PROFILE, bench/step_profile.py)."""
     compiler = _compiler()
-    flags = ["-O3", "-shared", "-fPIC", "-std=c11", *variant.flags, *(f"-D{define}" for define in defines)]
-    if sys.platform != "darwin":  # Apple's clang has no OpenMP; there the kernels run on one thread
-        flags.append("-fopenmp")
+    flags = _flags(variant, defines)
     sources = _sources()
-    digest = hashlib.sha256()
-    for source in [*sources, *sorted(SOURCES.glob("*.h"))]:
-        digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    digest.update(_compiler_version(compiler).encode() + " ".join(flags).encode())
-    target = cache_dir() / "kernels" / f"llorch-{variant.name}-{digest.hexdigest()[:20]}.so"
+    target = _target(variant, compiler, flags)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

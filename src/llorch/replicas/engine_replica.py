@@ -25,7 +25,7 @@ from llorch.errors import StartupError
 from llorch.logs import setup_logging
 from llorch.replicas.relay import RelayedRequest, RelayedStart, answer_in_process
 from llorch.settings import ServingSettings
-from llorch.workers import failure_line, load_in_passing_thread, open_backend
+from llorch.workers import Loading, failure_line, open_backend
 
 log = logging.getLogger("llorch.replicas")
 
@@ -42,7 +42,7 @@ class EngineReplica:
         try:
             backend = open_backend(settings)
             self.state = WorkerState(backend=backend.name, device=str(backend.device))
-            load_in_passing_thread(settings, backend, self.state)
+            Loading(settings, backend, self.state).wait()
         except StartupError as exc:
             message = failure_line(program, str(exc))
             log.error(message)

@@ -11,7 +11,7 @@ tokenizer and repacks every quantized tensor. A warm start reads instead, from
   loader asks: after the weights have started reading, since the parse holds Python's lock;
 - tokenizer.spm.npz: the same tokenizer as the C tokenizer's tables (native_tokenizer), for a
   SentencePiece vocabulary it reproduces: loaded instead of the JSON, in a tenth of the time.
-The weights need no cache: the CPU worker views them in place in the mapped file.
+- weights-<kernels>.bin / .json: the C step's matrices as its kernels read them (weights.weight_image).
 Every file is written to a temporary name and renamed, so a crash or a concurrent
 worker never leaves a half-written entry; a damaged entry is rebuilt, never trusted.
 """

@@ -24,9 +24,10 @@ from llorch.errors import ModelFileError
 from llorch.kernels.blocks import NATIVE_TYPES, repacked
 from llorch.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llorch.weights import limits
-from llorch.weights.arena import arena_bytes, arena_for
+from llorch.weights.arena import WeightArena, arena_bytes, arena_for
 from llorch.weights.gguf import GGUFFile
 from llorch.weights.limits import bounded_int, finite_float
+from llorch.weights.weight_image import Matrices, WeightImage
 
 if TYPE_CHECKING:
     import torch
@@ -269,6 +270,7 @@ def read_gguf_weights(
     dequantize: Callable[[str], Any],
     progress: Callable[[int, int], None] | None = None,
     keep_quantized: bool = False,
+    image: WeightImage | None = None,
 ) -> Callable[[], tuple[dict[str, Any], dict[str, int]]]:
     """Starts reading the weights; returns what waits for them and gives our entries with the layout of
     each matrix kept in blocks. The caller parses the tokenizer in between.
@@ -276,21 +278,34 @@ def read_gguf_weights(
     With `keep_quantized`, every matrix stays in the file's own type and layout: its entry holds its
     rows' bytes [rows, row_bytes] (numpy), read on a thread of their own (weights.tensor_read) into one
     huge-page arena (weights.arena), and its layout is its GGUF type or the interleaved layout of that
-    type the kernels read fastest on this CPU (kernels.blocks.repacked). Every other tensor is what
-    `dequantize(name)` gives (a float32 torch tensor or numpy array).
+    type the kernels read fastest on this CPU (kernels.blocks.repacked). With an `image` of those matrices
+    (weights.weight_image), they are mapped from it instead, or the image is written once they are ready.
+    Every other tensor is what `dequantize(name)` gives (a float32 torch tensor or numpy array).
     """
     plan = list(gguf_tensor_plan(config, gguf.tensors))
     missing = [name for name, _ in plan if name not in gguf.tensors]
     if missing:
         raise ModelFileError(gguf.path, f"tensor {missing[0]} is missing")
     matrices: dict[str, np.ndarray] = {}
+    mapped: Matrices | None = None
+    arena: WeightArena | None = None
     if keep_quantized:
         names = [name for name, _ in plan if _matrix(gguf, name)]
-        arena = arena_for(arena_bytes([gguf.tensors[name].nbytes for name in names]))
-        for name in names:
-            info = gguf.tensors[name]
-            matrices[name] = arena.take((info.shape[0], info.nbytes // info.shape[0]))
-        arena.trim()
+        if image is not None:
+            splits = dict(plan)
+            shapes, qtypes = {}, {}
+            for name in names:
+                info = gguf.tensors[name]
+                ours = splits[name].shapes((info.shape[0], info.nbytes // info.shape[0]))
+                shapes.update(ours)
+                qtypes.update(dict.fromkeys(ours, int(info.qtype)))
+            mapped = image.map(shapes, qtypes)
+        if mapped is None:
+            arena = arena_for(arena_bytes([gguf.tensors[name].nbytes for name in names]))
+            for name in names:
+                info = gguf.tensors[name]
+                matrices[name] = arena.take((info.shape[0], info.nbytes // info.shape[0]))
+            arena.trim()
     reading = gguf.start_reading(matrices) if matrices else None
 
     def finish() -> tuple[dict[str, Any], dict[str, int]]:
@@ -300,7 +315,10 @@ def read_gguf_weights(
         layouts: dict[str, int] = {}
         for done, (gguf_name, split) in enumerate(plan, start=1):
             try:
-                if gguf_name in matrices:
+                if mapped is not None and _matrix(gguf, gguf_name):
+                    for ours in split.names:
+                        entries[ours], layouts[ours] = mapped.entries[ours], mapped.layouts[ours]
+                elif gguf_name in matrices:
                     rows, info = matrices[gguf_name], gguf.tensors[gguf_name]
                     # A selection is a view of the arena's rows; a reordering (a copy of the same shape)
                     # is written back over them.
@@ -316,6 +334,8 @@ def read_gguf_weights(
                 raise ModelFileError(gguf.path, f"tensor {gguf_name}: {exc}") from exc
             if progress is not None:
                 progress(done, len(plan))
+        if image is not None and arena is not None:
+            image.write_later(Matrices({name: entries[name] for name in layouts}, layouts), arena)
         return entries, layouts
 
     return finish

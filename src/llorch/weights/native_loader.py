@@ -26,6 +26,7 @@ from llorch.weights.model_source import (
     weights_ready,
 )
 from llorch.weights.warm_read import take_warm_read
+from llorch.weights.weight_image import WeightImage
 
 
 def load_native(path: str | Path, progress: Callable[[int, int], None] | None = None) -> LoadedModel:
@@ -40,9 +41,10 @@ def load_native(path: str | Path, progress: Callable[[int, int], None] | None = 
     check_shapes(path, source.shapes, decoder_weight_shapes(source.config))
     gguf, config = source.gguf, source.config
     warm = take_warm_read(path)  # a warm start's worker began reading while it imported (weights.warm_read)
+    image = WeightImage.beside(source.cache.directory) if source.cache is not None else None
     tokenizer, (weights, layouts), started = read_beside_tokenizer(
         source, lambda advance: warm or read_gguf_weights(gguf, config, gguf.dequantize_array, advance,
-                                                          keep_quantized=True), progress)
+                                                          keep_quantized=True, image=image), progress)
     check_shapes(path, {name: tuple(array.shape) for name, array in weights.items()},
                  expected_weights(path, config, layouts))
     weights = {name: array if name in layouts else np.ascontiguousarray(array, dtype=np.float32)
