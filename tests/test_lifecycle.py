@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -13,7 +16,7 @@ import httpx
 import pytest
 
 from conftest import Worker, start_worker, stop_worker
-from launch import wait_ready
+from launch import wait_ready, worker_command
 from soak import soak
 
 pytestmark = pytest.mark.cpu
@@ -26,8 +29,11 @@ def spawn(tmp: Path, *extra: str) -> Worker:
     return start_worker(tmp, *extra, wait=False)
 
 
-def test_health_says_loading_with_progress_until_healthy(tmp_path: Path) -> None:
-    worker = spawn(tmp_path, "--max-connections", "2")
+def test_health_says_loading_with_progress_until_healthy(tmp_path: Path, model_path: Path) -> None:
+    # A copy the cache has no digest for loads once the server accepts (a warm start of a file the cache
+    # knows may load before the server binds, with nothing to see).
+    copy = shutil.copyfile(model_path, tmp_path / "copy.gguf")
+    worker = spawn(tmp_path, "--max-connections", "2", "--model", str(copy))
     try:
         seen: list[dict[str, Any]] = []
         deadline = time.monotonic() + 120
@@ -85,6 +91,17 @@ class Reader(threading.Thread):
                             self.first_token.set()
         except httpx.HTTPError as exc:  # a stream cut without a terminal event: the tests check for that
             self.transport_error = exc
+
+
+def test_a_taken_port_fails_with_one_line_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([*worker_command(), "--port", str(port), "--log-level", "critical"],
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"llorch-cpu-worker: error: could not serve on 127.0.0.1:{port}"
 
 
 def test_sigterm_drains_every_stream_to_a_terminal_event_and_exits_0(tmp_path: Path) -> None:

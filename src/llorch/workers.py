@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -312,7 +313,12 @@ class Lifecycle:
                                 http=guarded_protocol(args.max_connections), log_config=None, access_log=False,
                                 timeout_graceful_shutdown=5)
         server = self.server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
+
+        async def serve() -> None:
+            with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot bind: the line below says why
+                await server.serve()
+
+        task = asyncio.create_task(serve())
         while not server.started:
             if task.done():
                 report_failure(self.program, f"could not serve on {args.host}:{args.port}")
