@@ -1,8 +1,9 @@
 """The three worker programs. Each is hard-wired to one backend; none falls back.
 
 Start-up: backend -> device check -> the weights' memory faulting in (on a warm start, the
-weights read into it) -> HTTP server accepting (health says loading) -> model load -> residency
-check -> engine -> ready callback -> serve until SIGINT/SIGTERM. This module imports only what
+weights read into it, or mapped) -> HTTP server accepting (health says loading) -> model load ->
+residency check -> engine -> ready callback -> serve until SIGINT/SIGTERM; a warm start's model
+load runs beside the imports, before the server accepts. This module imports only what
 parsing the flags needs: the engine's and the web stack's ~0.6 s of imports run while threads
 fault in the memory the weights are read into (weights.arena) and, when the conversion cache
 knows the file, read them (weights.warm_read), without Python's lock; or map them, when the
@@ -290,7 +291,8 @@ class Loading:
 
 
 class Lifecycle:
-    """bind -> load (health says loading) -> ready callback -> serve -> drain on SIGTERM/SIGINT -> exit."""
+    """bind -> load, or wait for a warm start's (health says loading) -> ready callback -> serve -> drain on
+    SIGTERM/SIGINT -> exit."""
 
     def __init__(self, program: str, args: argparse.Namespace, settings: ServingSettings, backend: Backend,
                  state: WorkerState, worker_id: str, process_start: float, loading: Loading | None = None) -> None:

@@ -120,10 +120,10 @@ def _flags(variant: Variant, defines: tuple[str, ...] = ()) -> list[str]:
     return flags
 
 
-def _target(variant: Variant, compiler: str, flags: list[str]) -> Path:
+def _target(variant: Variant, compiler: str, flags: list[str], sources: list[Path]) -> Path:
     """Where the library of these sources, compiler and flags is cached: a digest of all three names it."""
     digest = hashlib.sha256()
-    for source in [*_sources(), *sorted(SOURCES.glob("*.h"))]:
+    for source in [*sources, *sorted(SOURCES.glob("*.h"))]:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(_compiler_version(compiler).encode() + " ".join(flags).encode())
     return cache_dir() / "kernels" / f"llorch-{variant.name}-{digest.hexdigest()[:20]}.so"
@@ -131,7 +131,14 @@ def _target(variant: Variant, compiler: str, flags: list[str]) -> Path:
 
 def library_name() -> str:
     """The name of the library library() gives (built or not): what changes whenever its code does."""
-    return _target(chosen_variant(), _compiler(), _flags(chosen_variant())).stem
+    return _library_name(os.environ.get("LLORCH_KERNELS"), os.environ.get("CC"))
+
+
+@functools.cache  # asked for twice a warm start (weights.weight_image): one compiler run and source digest
+def _library_name(forced: str | None, compiler: str | None) -> str:
+    """library_name for these values of LLORCH_KERNELS and CC, which chosen_variant and _compiler read."""
+    variant = chosen_variant()
+    return _target(variant, _compiler(), _flags(variant), _sources()).stem
 
 
 def build_library(variant: Variant, defines: tuple[str, ...] = ()) -> Path:
@@ -140,7 +147,7 @@ def build_library(variant: Variant, defines: tuple[str, ...] = ()) -> Path:
     compiler = _compiler()
     flags = _flags(variant, defines)
     sources = _sources()
-    target = _target(variant, compiler, flags)
+    target = _target(variant, compiler, flags, sources)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -83,9 +83,7 @@ class WeightImage:
             with self.data.open("rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
                 placed = self._placed(json.loads(self.index.read_text(encoding="utf-8")), size, shapes, qtypes)
-                if size == 0:
-                    return None
-                view = _mapped(handle, size)
+                view = _mapped(handle.fileno(), size)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring a weight image that does not fit the model", extra={
                 "path": str(self.data), "reason": repr(exc)})
@@ -156,10 +154,9 @@ def wait_for_images() -> None:
         writer.join()
 
 
-def _mapped(handle: object, size: int) -> np.ndarray:
+def _mapped(fd: int, size: int) -> np.ndarray:
     """The whole file mapped read-only, its page tables filled, on 2 MB pages; else copied into an arena
     (small pages would cost the decode a TLB miss and a prefetch stop every 4 KB)."""
-    fd = handle.fileno()  # type: ignore[attr-defined]
     view = _populated(fd, size)
     share = huge_share(view) if size >= HUGE_PAGE else 1.0
     if share >= HUGE_SHARE:
