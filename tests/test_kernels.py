@@ -150,6 +150,23 @@ def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtyp
                        blocks.matmul(x, layout, interleaved, lib=lib)[:, :40])
 
 
+@pytest.mark.skipif("amx" not in VARIANTS, reason="this CPU has no AMX")
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768)],
+                         ids=lambda v: v.name if isinstance(v, Q) else str(v))
+def test_rows_computed_on_amx_get_the_bits_of_the_8_bit_dot_kernels(qtype: Q, cols: int) -> None:
+    """AMX takes a product's rows 16 at a time and leaves the rest to the VNNI kernels: every row must
+    come out the same either way, or a prompt chunk's rows would differ from the same rows decoded."""
+    amx, vnni = build.load_variant("amx"), build.load_variant("avx512-vnni")
+    assert amx.llorch_amx_ready() == 1  # the tiles were granted: otherwise VNNI would be compared with itself
+    matrix = random_matrix(qtype, 56, cols, seed=12)  # seven groups of eight: three pairs and one alone
+    interleaved = blocks.repacked(matrix, int(qtype), cols, lib=amx)
+    assert interleaved > int(qtype)
+    for rows in (16, 37, 80):  # 640 columns: spans of 8, 8 and 4 blocks
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
+        assert torch.equal(blocks.matmul(x, matrix, interleaved, lib=amx),
+                           blocks.matmul(x, matrix, interleaved, lib=vnni))
+
+
 def test_the_cache_holds_keys_and_values_as_float16_rounded_to_nearest_even(lib) -> None:  # type: ignore[no-untyped-def]
     """The step's float16 conversion is numpy's (IEEE round to nearest even): ties, subnormals,
     the largest finite value and overflow, in the vector body and the scalar tail alike."""
@@ -289,7 +306,10 @@ def test_every_runnable_variant_is_offered_best_first() -> None:
     names = [v.name for v in build.runnable_variants()]
     assert names[-1] == "portable"
     assert len(set(names)) == len(names)
-    if "avx512_vnni" in build.cpu_flags() and "avx512f" in build.cpu_flags():
+    flags = build.cpu_flags()
+    if {"amx_tile", "amx_int8", "avx512_vnni", "avx512f"} <= flags:
+        assert names[:2] == ["amx", "avx512-vnni"]
+    elif {"avx512_vnni", "avx512f"} <= flags:
         assert names[0] == "avx512-vnni"
 
 

@@ -7,6 +7,7 @@ sizes its per-op dispatch costs more than the arithmetic (see csrc/decoder.c).
 
 The same sources (csrc/*.c) are built as one variant per instruction set, each with
 explicit flags rather than -march=native, and the best variant this CPU runs is loaded:
+- amx: avx512-vnni plus AMX's int8 tiles for activation rows sixteen at a time (csrc/amx.c);
 - avx512-vnni: AVX-512 with VNNI's 8-bit dot products (vpdpbusd);
 - avx512: AVX-512 (the integer dot uses AVX2's 16-bit pair products);
 - avx2: AVX2 and FMA;
@@ -53,9 +54,11 @@ class Variant:
 
 _X86_AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _X86_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_X86_AVX2)
+_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"})
 X86_VARIANTS = (  # best first
-    Variant("avx512-vnni", (*_X86_AVX512, "-mavx512vnni"),
-            frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"})),
+    Variant("amx", (*_X86_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"),
+            _VNNI_FLAGS | {"amx_tile", "amx_int8"}),
+    Variant("avx512-vnni", (*_X86_AVX512, "-mavx512vnni"), _VNNI_FLAGS),
     Variant("avx512", _X86_AVX512, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})),
     Variant("avx2", _X86_AVX2, frozenset({"avx2", "fma", "f16c"})),
     Variant("portable", (), frozenset()),
@@ -183,6 +186,7 @@ _SIGNATURES = {
     "llorch_matmul": ([_INT, _P, _I64, _I64, _P, _P, _I64, _P, _INT], _INT),
     "llorch_decoder_forward": ([_P, _P, _INT], _INT),
     "llorch_fail_allocations": ([_INT], None),
+    "llorch_amx_ready": ([], _INT),
     "llorch_struct_layout": ([_INT, _P], _I64),
     "llorch_argmax_rows": ([_P, _I64, _I64, _P], None),
     "llorch_mask_row": ([_P, _I64, _P, _I64], None),

@@ -19,22 +19,11 @@
  * in one fixed order per activation row, so a row's result does not depend on its batch, nor
  * on whether its group ran alone or beside another.
  */
-#include "simd.h"
+#include "groups.h"
 
 #ifdef LLORCH_VNNI
 #define TILE 4
 #define ROWS 8
-
-/* Sixteen bytes: eight at a, then eight at b. */
-static inline __m128i two_halves(const uint8_t *a, const uint8_t *b) {
-    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
-}
-
-/* 32 bytes at a in the low half, 32 at b in the high half. */
-static inline __m512i two_steps(const uint8_t *a, const uint8_t *b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-                              _mm256_loadu_si256((const __m256i *)b), 1);
-}
 
 /* Four activation bytes read as one 32-bit value (an act_block's q is int8_t). */
 typedef int32_t __attribute__((may_alias)) four_bytes;
@@ -66,29 +55,16 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
                                                                   int32_t offset, const uint8_t *wa, const uint8_t *wb,
                                                                   const act_block *const *x, int tile, float *out_a,
                                                                   float *out_b, int64_t ldo) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[TILE];
     for (int t = 0; t < tile; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *ga = wa + b * group_bytes, *gb = wb + b * group_bytes;
-        const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)gb),
-                                                          _mm_loadu_si128((const __m128i *)ga)));
+        const __m512 d = two_scales(ga, gb);
         __m512i v[8];
         if (type == T_Q8_0_R8) {
             for (int c = 0; c < 8; c++) v[c] = two_steps(ga + 16 + 32 * c, gb + 16 + 32 * c);
         } else {
-            for (int c = 0; c < 4; c++) {
-                const __m512i packed = two_steps(ga + 16 + 32 * c, gb + 16 + 32 * c);
-                v[c] = _mm512_and_si512(packed, low);
-                v[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            }
-            for (int c = 0; c < 8; c++) {
-                uint32_t fifth_a, fifth_b;
-                memcpy(&fifth_a, ga + 144 + 4 * c, 4);
-                memcpy(&fifth_b, gb + 144 + 4 * c, 4);
-                const __mmask64 fifth = _cvtu64_mask64((uint64_t)fifth_a | (uint64_t)fifth_b << 32);
-                v[c] = _mm512_mask_add_epi8(v[c], fifth, v[c], _mm512_set1_epi8(16));
-            }
+            q5_0_steps(ga, gb, v);
         }
         for (int t = 0; t < tile; t++) {
             const act_block *a = x[t] + b;
@@ -113,15 +89,9 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
     for (int t = 0; t < tile; t++) total[t] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *ga = wa + s * group_bytes, *gb = wb + s * group_bytes;
-        const __m512i a = two_steps(ga + 32, gb + 32), b = two_steps(ga + 64, gb + 64), c = two_steps(ga + 96, gb + 96);
-        const __m512i six = _mm512_set1_epi8(63), top = _mm512_set1_epi8(0x30), low = _mm512_set1_epi8(0x0f);
-        uint8_t unpacked[4][64];  /* scales 0-3, 4-7, minimums 0-3, 4-7: [group][sub-block][row] */
-        _mm512_storeu_si512(unpacked[0], _mm512_and_si512(a, six));
-        _mm512_storeu_si512(unpacked[1], _mm512_or_si512(_mm512_and_si512(c, low),
-                                                         _mm512_and_si512(_mm512_srli_epi16(a, 2), top)));
-        _mm512_storeu_si512(unpacked[2], _mm512_and_si512(b, six));
-        _mm512_storeu_si512(unpacked[3], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
-                                                         _mm512_and_si512(_mm512_srli_epi16(b, 2), top)));
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        uint8_t unpacked[4][64];
+        q4_k_scales(ga, gb, unpacked);
         __m512 acc[TILE], mins[TILE];
         for (int t = 0; t < tile; t++) acc[t] = mins[t] = _mm512_setzero_ps();
         for (int p = 0; p < 4; p++) {
@@ -139,10 +109,8 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
             }
             __m512 scale[2], min[2];  /* sub-blocks 2p and 2p + 1, converted here: fewer registers held */
             for (int j = 0; j < 2; j++) {
-                const int sub = 2 * p + j;
-                const uint8_t *sc = unpacked[sub / 4] + 8 * (sub % 4), *mn = unpacked[2 + sub / 4] + 8 * (sub % 4);
-                scale[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(sc, sc + 32)));
-                min[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(mn, mn + 32)));
+                scale[j] = q4_k_sub(unpacked, 0, 2 * p + j);
+                min[j] = q4_k_sub(unpacked, 2, 2 * p + j);
             }
             for (int t = 0; t < tile; t++) {
                 const act_block *first = x[t] + s * 8 + 2 * p, *second = first + 1;
@@ -154,21 +122,10 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
                 mins[t] = _mm512_fmadd_ps(min[1], _mm512_set1_ps(second->dsum), mins[t]);
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)gb),
-                                                          _mm_loadu_si128((const __m128i *)ga)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(gb + 16)),
-                                                             _mm_loadu_si128((const __m128i *)(ga + 16))));
+        const __m512 d = two_scales(ga, gb), dmin = two_scales(ga + 16, gb + 16);
         for (int t = 0; t < tile; t++) total[t] = _mm512_fnmadd_ps(dmin, mins[t], _mm512_fmadd_ps(d, acc[t], total[t]));
     }
     for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, total[t]);
-}
-
-static inline __m512i high_pair512(__m512i plane, int p) {
-    const __m512i placed = p == 0 ? _mm512_slli_epi16(plane, 4)
-                         : p == 1 ? _mm512_slli_epi16(plane, 2)
-                         : p == 2 ? plane
-                                  : _mm512_srli_epi16(plane, 2);
-    return _mm512_and_si512(placed, _mm512_set1_epi8(0x30));
 }
 
 /* Q6_K_R8, the groups at wa and wb: per 16 values an 8-bit scale, all integer within each 32
@@ -205,8 +162,7 @@ static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int6
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_set1_ps(a->d), acc[t]);
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)gb),
-                                                          _mm_loadu_si128((const __m128i *)ga)));
+        const __m512 d = two_scales(ga, gb);
         for (int t = 0; t < tile; t++) total[t] = _mm512_fmadd_ps(d, acc[t], total[t]);
     }
     for (int t = 0; t < tile; t++) store_pair(out_a + t * ldo, out_b + t * ldo, total[t]);

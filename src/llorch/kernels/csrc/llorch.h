@@ -215,6 +215,22 @@ int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k);
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
                                const act_block *const *x, int tile, float *out, int64_t ldo);
 
+/* AMX (amx.c, the amx variant). Whether this process may use the tile registers (asked once), and
+ * how many of m activation rows of a matrix of `type` the AMX kernel takes (a multiple of 16; 0 where
+ * it takes none). It reads the activations regrouped by tile of 16 rows: q[tile][block][row][32],
+ * d and dsum [tile][block][row] (llorch_amx_pack_ws, inside a parallel region), and computes groups
+ * ga and gb as llorch_interleaved_groups does, for `tiles` tiles. *configured_k: the caller's record
+ * of this thread's tile configuration, 0 at the start of each product. */
+typedef struct {
+    int8_t *q;
+    float *d, *dsum;
+} amx_acts;
+int llorch_amx_ready(void);
+int64_t llorch_amx_rows(int type, int64_t m);
+void llorch_amx_pack_ws(const act_block *xq, int64_t tiles, int64_t blocks, const amx_acts *out);
+void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, const amx_acts *x,
+                       int64_t tiles, float *out, int64_t ldo, int *configured_k);
+
 /* The direct kernels (direct.c): weight rows [j0, j1) of a common block type against up to
  * four activation rows, decoded in registers, into out[t * ldo + j]; 0 for other types.
  * `ahead`: the first pass over these weight rows, so ask memory for the bytes that follow them

@@ -111,6 +111,24 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
     int64_t first_chunk[4] = {0, 0, 0, 0};
     for (int i = 0; i < count; i++) first_chunk[i + 1] = first_chunk[i] + (mats[i].rows + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t k = mats[0].cols, blocks = k / QK;
+    int amx_k = 0; /* this thread's tile configuration in this product (amx.c) */
+    /* AMX's rows, when some matrix is interleaved, regrouped by tile once for every chunk. */
+    int64_t amx_rows = 0;
+    for (int i = 0; i < count; i++)
+        if (mats[i].type > REPACKED) amx_rows = llorch_amx_rows(mats[i].type, m);
+    amx_acts acts = {NULL, NULL, NULL};
+    if (amx_rows > 0) {
+#ifdef _OPENMP
+#pragma omp single copyprivate(acts)
+#endif
+        {
+            acts.q = llorch_alloc((size_t)(amx_rows * k));
+            acts.d = llorch_alloc(sizeof(float) * (size_t)(amx_rows * blocks));
+            acts.dsum = llorch_alloc(sizeof(float) * (size_t)(amx_rows * blocks));
+        }
+        if (acts.q && acts.d && acts.dsum) llorch_amx_pack_ws(xq, amx_rows / 16, blocks, &acts);
+        else amx_rows = 0; /* the step fails (alloc.c); the other kernels still leave nothing unwritten */
+    }
 #ifdef _OPENMP
 /* Guided: each thread first takes a long run of chunks, then ever shorter ones, so the thread
  * that memory serves faster takes more instead of waiting at the barrier for the other. Measured
@@ -137,7 +155,10 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
         float *out = outs[which];
         unpacked_row u = scratch_row(is_float || direct ? QK : k);
         if (u.v == NULL) continue;
-        for (int64_t i0 = 0; i0 < m; i0 += ACT_TILE) {
+        /* Sixteen activation rows at a time on AMX where the CPU has it; the rest below, same bits. */
+        const int64_t first_row = interleaved ? amx_rows : 0;
+        if (first_row > 0) llorch_amx_groups(W->type, W->data, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
+        for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
             const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
             if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
                 for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
@@ -166,6 +187,16 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
                     for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_unpacked(&u, xq + i * blocks, blocks, is_signed);
                 }
             }
+        }
+    }
+    if (amx_rows > 0 || acts.q || acts.d || acts.dsum) {  /* after the loop's barrier: every chunk is done */
+#ifdef _OPENMP
+#pragma omp single nowait
+#endif
+        {
+            free(acts.q);
+            free(acts.d);
+            free(acts.dsum);
         }
     }
 }

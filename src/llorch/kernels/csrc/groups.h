@@ -1,0 +1,74 @@
+/* Reading the interleaved layouts (repack.c) two groups of eight rows at a time, into 512-bit
+ * registers: lanes 0-7 (bytes 0-31 of a step) the first group's rows, 8-15 the second's. Shared by
+ * the 8-bit dot kernels (interleaved.c) and the AMX kernels (amx.c), which must read the same
+ * values to give the same bits. */
+#ifndef LLORCH_GROUPS_H
+#define LLORCH_GROUPS_H
+
+#include "simd.h"
+
+#ifdef LLORCH_VNNI
+/* Sixteen bytes: eight at a, then eight at b. */
+static inline __m128i two_halves(const uint8_t *a, const uint8_t *b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+}
+
+/* 32 bytes at a in the low half, 32 at b in the high half. */
+static inline __m512i two_steps(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* The eight float16 scales at a, then the eight at b, as floats. */
+static inline __m512 two_scales(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)b), _mm_loadu_si128((const __m128i *)a)));
+}
+
+/* A Q5_0_R8 block of both groups (ga, gb): its eight steps as unsigned values 0..31. */
+static inline void q5_0_steps(const uint8_t *ga, const uint8_t *gb, __m512i v[8]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; c++) {
+        const __m512i packed = two_steps(ga + 16 + 32 * c, gb + 16 + 32 * c);
+        v[c] = _mm512_and_si512(packed, low);
+        v[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+    for (int c = 0; c < 8; c++) {
+        uint32_t fifth_a, fifth_b;
+        memcpy(&fifth_a, ga + 144 + 4 * c, 4);
+        memcpy(&fifth_b, gb + 144 + 4 * c, 4);
+        const __mmask64 fifth = _cvtu64_mask64((uint64_t)fifth_a | (uint64_t)fifth_b << 32);
+        v[c] = _mm512_mask_add_epi8(v[c], fifth, v[c], _mm512_set1_epi8(16));
+    }
+}
+
+/* A Q4_K_R8 super-block's 6-bit sub-block scales and minimums, both groups: [0] scales 0-3, [1]
+ * scales 4-7, [2] minimums 0-3, [3] minimums 4-7, each [sub-block][row] (row 0-7 at 0-31, the
+ * second group at 32-63). */
+static inline void q4_k_scales(const uint8_t *ga, const uint8_t *gb, uint8_t unpacked[4][64]) {
+    const __m512i a = two_steps(ga + 32, gb + 32), b = two_steps(ga + 64, gb + 64), c = two_steps(ga + 96, gb + 96);
+    const __m512i six = _mm512_set1_epi8(63), top = _mm512_set1_epi8(0x30), low = _mm512_set1_epi8(0x0f);
+    _mm512_storeu_si512(unpacked[0], _mm512_and_si512(a, six));
+    _mm512_storeu_si512(unpacked[1], _mm512_or_si512(_mm512_and_si512(c, low),
+                                                     _mm512_and_si512(_mm512_srli_epi16(a, 2), top)));
+    _mm512_storeu_si512(unpacked[2], _mm512_and_si512(b, six));
+    _mm512_storeu_si512(unpacked[3], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
+                                                     _mm512_and_si512(_mm512_srli_epi16(b, 2), top)));
+}
+
+/* Sub-block `sub`'s scale (or, from unpacked[2..3], minimum) for the sixteen rows, as floats. */
+static inline __m512 q4_k_sub(uint8_t unpacked[4][64], int first_plane, int sub) {
+    const uint8_t *at = unpacked[first_plane + sub / 4] + 8 * (sub % 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(at, at + 32)));
+}
+
+/* Q6_K_R8: the 2-bit high parts of step p (0-3) from their plane, placed at bits 4-5. */
+static inline __m512i high_pair512(__m512i plane, int p) {
+    const __m512i placed = p == 0 ? _mm512_slli_epi16(plane, 4)
+                         : p == 1 ? _mm512_slli_epi16(plane, 2)
+                         : p == 2 ? plane
+                                  : _mm512_srli_epi16(plane, 2);
+    return _mm512_and_si512(placed, _mm512_set1_epi8(0x30));
+}
+#endif
+
+#endif
