@@ -314,6 +314,15 @@ def test_every_runnable_variant_is_offered_best_first() -> None:
         assert names[0] == "avx512-vnni"
 
 
+def test_the_kernels_in_use_are_named_as_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the start-up log says computes the model: the forced variant, else the best, and with AMX
+    whether the tiles were granted (they are on a Linux that supports AMX)."""
+    monkeypatch.setenv("LLORCH_KERNELS", "portable")
+    assert build.in_use() == "portable"
+    monkeypatch.delenv("LLORCH_KERNELS")
+    assert build.in_use() == VARIANTS[0]
+
+
 def test_forcing_a_variant_this_cpu_cannot_run_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLORCH_KERNELS", "no-such-variant")
     with pytest.raises(build.KernelUnavailable, match="does not run on this CPU"):

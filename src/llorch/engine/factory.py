@@ -35,6 +35,7 @@ from llorch.engine.telemetry import Telemetry
 from llorch.engine.views import EmbeddingShape
 from llorch.errors import StartupError
 from llorch.kernels.build import KernelUnavailable
+from llorch.kernels.build import in_use as kernels_in_use
 from llorch.kernels.build import library as kernel_library
 from llorch.kernels.build import threads as kernel_threads
 from llorch.memory import release_freed_memory
@@ -265,6 +266,7 @@ def build_engine(config: EngineConfig, device: str | torch.device = "cpu", *, lo
     log.info("model loaded", extra={"model": loaded.name, "path": str(loaded.path), "device": device,
                                     "dtype": dtype_name, "threads": kernel_threads(), "kind": kind,
                                     "weights": "gguf blocks" if loaded.quantized else "dense",
+                                    "kernels": kernels_in_use() if loaded.native is not None else None,
                                     "kv_pool_tokens": runner.kv.tokens, "kv_pool_bytes": runner.kv.bytes,
                                     "speculative": speculative, "speculative_tokens": config.speculative_tokens})
     return engine

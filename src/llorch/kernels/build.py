@@ -254,6 +254,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def in_use() -> str:
+    """The variant library() gives, as the start-up log names it: with AMX, whether Linux granted this
+    process the tile registers (if not, that library's VNNI kernels compute every row)."""
+    name = chosen_variant().name
+    if name == "amx" and not library().llorch_amx_ready():
+        return "amx (tile registers refused: VNNI kernels only)"
+    return name
+
+
 def loaded() -> ctypes.CDLL | None:
     """The kernels library() gives, if this process has it already; None while a first start still builds it
     (or it cannot be): for work that has a slower way without it and should not wait."""
