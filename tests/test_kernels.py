@@ -208,9 +208,13 @@ def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group
     q = torch.from_numpy(rng.standard_normal(kv_heads * group * head_dim, dtype=np.float32))
     slots = torch.from_numpy(rng.permutation(slots_total).astype(np.int64))  # paged: any order of slots
     scores = torch.empty(group * 128, dtype=torch.float32)
-    part = torch.full((group, head_dim + 2), float("nan"), dtype=torch.float32)
-    lib.llorch_attend_chunk(q.data_ptr(), keys.data_ptr(), values.data_ptr(), g, group, head_dim, kv_heads, scale,
-                            slots.data_ptr(), first, first + count, scores.data_ptr(), part.data_ptr())
+    parts = []
+    for from_memory in (1, 0):  # asking for the chunk ahead or not (a decoding row's or a prompt's): same bits
+        part = torch.full((group, head_dim + 2), float("nan"), dtype=torch.float32)
+        lib.llorch_attend_chunk(q.data_ptr(), keys.data_ptr(), values.data_ptr(), g, group, head_dim, kv_heads, scale,
+                                slots.data_ptr(), first, first + count, scores.data_ptr(), part.data_ptr(), from_memory)
+        parts.append(part)
+    assert torch.equal(parts[0], parts[1])
     rows = slots[first:first + count]
     k = keys[rows].double().view(count, kv_heads, head_dim)[:, g]
     v = values[rows].double().view(count, kv_heads, head_dim)[:, g]
