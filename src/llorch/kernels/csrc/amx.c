@@ -6,10 +6,15 @@
  * 16 x 16 x 32 of those multiply-adds. A chunk's two groups are unpacked once into tile form
  * (signed bytes, the layout's offset taken out) and read by every tile of activation rows,
  * which are regrouped once per product so that a tile's rows are one contiguous load.
- * What bounds it now is the float scaling of each block's dots (four vector operations per
- * activation row, 16 weight rows and 32 values), which the tile unit cannot do: the dots of the
- * next span are issued between parts of the current span's scaling so that the two overlap.
- * Measured against the avx512-vnni variant in one process (Xeon with AMX, two threads):
+ * What bounds it is the float scaling of each block's dots (four vector operations per activation
+ * row, 16 weight rows and 32 values: the same operations as interleaved.c's, which the same bits
+ * require), then the tile instructions themselves: on the Xeon measured, the tile unit's work and
+ * the vector units' did not overlap, however interleaved (in a loop of them alone, the tile loads
+ * and dots took 0.3 ns per row and block and the scaling 1.0; together, with the tile stores,
+ * 1.6-1.7). The next span's
+ * dots are still issued between parts of the current span's scaling, so that a tile store's wait
+ * for its dot is spent scaling. Measured against the avx512-vnni variant in one process (Xeon with
+ * AMX, two threads):
  * prefill of 512 tokens, the default model 1366 -> 1768 tok/s, the 1.1B file 214 -> 262;
  * products of 512 rows, Q4_K 2048 x 2048 265 -> 354 GMAC/s, Q5_0 2048 x 640 220 -> 369.
  *
@@ -17,7 +22,7 @@
  * block or sub-block) the same exact integer dot the 8-bit instructions do, and the float
  * multiply-adds that scale them run per row in the same order, on the same operands. So a
  * row's result does not depend on whether AMX computed it, and batch invariance holds
- * across the rows AMX takes and the few left over (llorch_amx_rows).
+ * across the rows AMX takes and those left to interleaved.c (llorch_amx_rows).
  *
  * Linux gives a process the tile registers only when it asks (arch_prctl); if it refuses,
  * these kernels are not used and the interleaved ones compute every row.
@@ -298,9 +303,8 @@ void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_
     dots c[2][2 * SUB] __attribute__((aligned(64))); /* two spans' dots: one scaled while the next is made */
     configure(type == T_Q6_K_R8 ? 16 : 32, configured_k);
     for (int64_t s = 0; s < spans; s++) unpack_span(type, wa, wb, s, blocks, sp + s);
-    /* One tile of rows at a time through every span, so that its outputs stay in cache; span s's
-     * scaling runs on the vector units while span s + 1's dots run on the tile unit, issued in
-     * alternating parts so that both are in flight at once. */
+    /* One tile of rows at a time through every span, so that its outputs stay in cache; span s + 1's
+     * dots are issued in parts between the parts of span s's scaling (see the top of this file). */
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t first = t * blocks * TILE_ROWS; /* the tile's first block, in act rows x blocks */
         float *ta = out_a + t * TILE_ROWS * ldo, *tb = out_b + t * TILE_ROWS * ldo;
