@@ -261,9 +261,10 @@ void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_
      * follow, and in decode they come from memory (the weights read since pushed them out of the
      * cache). The loops below still ask AHEAD positions ahead into L1. Measured per work item from
      * memory (1.1B's shape, one thread, Zen 4): 15.9 -> 12.4 us; the 1.1B file's attention at
-     * 512 positions 2.4 -> 2.05 ms per token. A prompt chunk's rows read the keys their neighbours
-     * just read: there the requests only cost instructions (the default model's prefill of 512
-     * tokens 1717 -> 1760 tok/s without them, Xeon, two threads, alternating in one process). */
+     * 512 positions 2.4 -> 2.05 ms per token. The later rows of a sequence in one step read the keys
+     * its first row just read: there the requests only cost instructions (the default model's
+     * prefill of 512 tokens 1717 -> 1760 tok/s without them, Xeon, two threads, alternating in one
+     * process). */
     for (int64_t p = 0; from_memory && p < count; p++) {
         for (int64_t i = 0; i < head_dim; i += 32) {
             __builtin_prefetch(key_of[p] + i, 0, 2);

@@ -226,11 +226,12 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 const int64_t first = lowest + c * ATTN_CHUNK, last = first + ATTN_CHUNK < position + 1
                                                                           ? first + ATTN_CHUNK : position + 1;
                 if (first >= last) continue;
-                /* a row alone of its sequence in the step decodes: its keys and values come from memory */
-                const int alone = (r == 0 || S->slot_start[r - 1] != S->slot_start[r]) &&
-                                  (r + 1 == R || S->slot_start[r + 1] != S->slot_start[r]);
+                /* its sequence's first row in the step reads the keys and values from memory; the rows
+                 * after it (a prompt chunk's, speculative decoding's drafts) find them in the cache */
+                const int first_row = r == 0 || S->slot_start[r - 1] != S->slot_start[r];
                 llorch_attend_chunk(q + r * NQ, L->keys, L->values, g, group, HD, M->kv_heads, M->attn_scale,
-                                    S->slots + S->slot_start[r], first, last, scores, parts + item * part_size, alone);
+                                    S->slots + S->slot_start[r], first, last, scores, parts + item * part_size,
+                                    first_row);
             }
             PROFILE(PH_ATTEND);
             /* combine each head's chunks: the softmax over all its visible positions */

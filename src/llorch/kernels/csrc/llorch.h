@@ -246,7 +246,7 @@ void llorch_to_fp16(const float *src, int64_t n, uint16_t *dst);
  * cached positions [first, last) (at most ATTN_CHUNK) of the float16 cache: writes each head's
  * max score, weight sum and weighted values (not yet normalized) to part[group][head_dim + 2].
  * `scores` is scratch of group * ATTN_CHUNK floats. `from_memory`: the chunk's keys and values are
- * likely out of the cache (a decoding row's), so ask for all of them at once first. */
+ * likely out of the cache (the first row of its sequence in a step), so ask for all of them first. */
 void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_t *values, int64_t g, int64_t group,
                          int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots, int64_t first,
                          int64_t last, float *scores, float *part, int from_memory);
