@@ -54,13 +54,14 @@ class Variant:
 
 _X86_AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _X86_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_X86_AVX2)
-_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"})
+_AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
+_AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 X86_VARIANTS = (  # best first
     Variant("amx", (*_X86_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"),
-            _VNNI_FLAGS | {"amx_tile", "amx_int8"}),
-    Variant("avx512-vnni", (*_X86_AVX512, "-mavx512vnni"), _VNNI_FLAGS),
-    Variant("avx512", _X86_AVX512, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"})),
-    Variant("avx2", _X86_AVX2, frozenset({"avx2", "fma", "f16c"})),
+            _AVX512_FLAGS | {"avx512_vnni", "amx_tile", "amx_int8"}),
+    Variant("avx512-vnni", (*_X86_AVX512, "-mavx512vnni"), _AVX512_FLAGS | {"avx512_vnni"}),
+    Variant("avx512", _X86_AVX512, _AVX512_FLAGS),
+    Variant("avx2", _X86_AVX2, _AVX2_FLAGS),
     Variant("portable", (), frozenset()),
 )
 OTHER_VARIANTS = (Variant("portable", ("-mcpu=native",) if sys.platform != "darwin" else (), frozenset()),)

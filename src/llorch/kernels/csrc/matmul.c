@@ -112,10 +112,13 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
     for (int i = 0; i < count; i++) first_chunk[i + 1] = first_chunk[i] + (mats[i].rows + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t k = mats[0].cols, blocks = k / QK;
     int amx_k = 0; /* this thread's tile configuration in this product (amx.c) */
-    /* AMX's rows, when some matrix is interleaved, regrouped by tile once for every chunk. */
+    /* The rows AMX takes of any of the matrices, regrouped by tile once for every chunk (each matrix
+     * takes llorch_amx_rows of its own type: all of these, or none). */
     int64_t amx_rows = 0;
-    for (int i = 0; i < count; i++)
-        if (mats[i].type > REPACKED) amx_rows = llorch_amx_rows(mats[i].type, m);
+    for (int i = 0; i < count; i++) {
+        const int64_t rows = llorch_amx_rows(mats[i].type, m);
+        amx_rows = rows > amx_rows ? rows : amx_rows;
+    }
     amx_acts acts = {NULL, NULL, NULL};
     if (amx_rows > 0) {
 #ifdef _OPENMP
@@ -156,7 +159,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
         unpacked_row u = scratch_row(is_float || direct ? QK : k);
         if (u.v == NULL) continue;
         /* Sixteen activation rows at a time on AMX where the CPU has it; the rest below, same bits. */
-        const int64_t first_row = interleaved ? amx_rows : 0;
+        const int64_t first_row = amx_rows > 0 ? llorch_amx_rows(W->type, m) : 0;
         if (first_row > 0) llorch_amx_groups(W->type, W->data, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
         for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
             const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
