@@ -233,8 +233,12 @@ def set_threads(count: int) -> None:
 
 
 def threads() -> int:
-    """Threads the C step runs on: set_threads's count, else one per physical core."""
-    return _threads or physical_cores()
+    """Threads the C step runs on: set_threads's count, else one per physical core, counted once (every step
+    asks, and counting reads /proc/cpuinfo: 0.3 ms, 1% of a 1.1B file's decoded token)."""
+    global _threads
+    if not _threads:
+        _threads = physical_cores()
+    return _threads
 
 
 _building = threading.Lock()  # one build at a time: a caller waits for the one under way, then finds it cached
