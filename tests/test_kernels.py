@@ -167,6 +167,25 @@ def test_rows_computed_on_amx_get_the_bits_of_the_8_bit_dot_kernels(qtype: Q, co
                            blocks.matmul(x, matrix, interleaved, lib=vnni))
 
 
+@pytest.mark.skipif("avx512-vnni" not in VARIANTS, reason="this CPU has no AVX-512 VNNI to compare with")
+@pytest.mark.parametrize("variant", [v for v in ("avx512", "avx2") if v in VARIANTS])
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768)],
+                         ids=lambda v: v.name if isinstance(v, Q) else str(v))
+def test_the_interleaved_kernels_without_vnni_get_the_bits_of_the_vnni_ones(variant: str, qtype: Q, cols: int) -> None:
+    """AVX2's pair products sum to the same exact integers as VNNI's dots, and the float operations after
+    them are the same: a CPU without VNNI computes every row as one with it does."""
+    narrow, vnni = build.load_variant(variant), build.load_variant("avx512-vnni")
+    matrix = random_matrix(qtype, 56, cols, seed=13)  # seven groups of eight: three pairs and one alone
+    layout = matrix.clone()
+    interleaved = blocks.repacked(layout, int(qtype), cols, lib=narrow)
+    assert interleaved == blocks.repacked(matrix, int(qtype), cols, lib=vnni) > int(qtype)
+    assert torch.equal(layout, matrix)  # one layout for both
+    for rows in (1, 3, 4, 9):  # the kernels take activation rows four at a time
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
+        assert torch.equal(blocks.matmul(x, matrix, interleaved, lib=narrow),
+                           blocks.matmul(x, matrix, interleaved, lib=vnni))
+
+
 def test_the_cache_holds_keys_and_values_as_float16_rounded_to_nearest_even(lib) -> None:  # type: ignore[no-untyped-def]
     """The step's float16 conversion is numpy's (IEEE round to nearest even): ties, subnormals,
     the largest finite value and overflow, in the vector body and the scalar tail alike."""

@@ -39,9 +39,9 @@ def repacked(weight: Tensor | np.ndarray, qtype: int, k: int, lib: ctypes.CDLL |
     """Rearrange `weight` (contiguous uint8 rows, torch or numpy) in place into the layout this CPU's
     kernels read fastest; its new type.
 
-    Where the kernels have VNNI, Q8_0, Q5_0, Q4_K and Q6_K matrices of whole 8-row groups are
-    interleaved (one 8-bit dot instruction then serves eight rows); every other matrix stays
-    as the file has it.
+    Where the kernels have AVX2, Q8_0, Q5_0, Q4_K and Q6_K matrices of whole 8-row groups are
+    interleaved (one 8-bit dot instruction, or AVX2's pair product, then serves eight rows); every
+    other matrix stays as the file has it.
     """
     lib = lib or library()
     layout = int(lib.llorch_repacked_type(int(qtype), weight.shape[0]))

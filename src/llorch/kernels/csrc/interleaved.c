@@ -1,4 +1,4 @@
-/* Kernels for the interleaved layouts of repack.c (VNNI variants only).
+/* Kernels for the interleaved layouts of repack.c, VNNI variants (AVX2 alone: interleaved_avx2.c).
  *
  * Why: a row-at-a-time kernel adds up each block's eight lanes and scales every (activation
  * row, weight row) pair on its own; here the eight lanes are eight weight rows, so a block
@@ -195,14 +195,6 @@ static inline __attribute__((always_inline)) void k_blocks(int type, const uint8
     }
 }
 
-#define BY_TILE(call_with_tile)            \
-    switch (tile) {                        \
-        case 1: call_with_tile(1); break;  \
-        case 2: call_with_tile(2); break;  \
-        case 3: call_with_tile(3); break;  \
-        default: call_with_tile(TILE); break; \
-    }
-
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
                                const act_block *const *x, int tile, float *out, int64_t ldo) {
 #define Q8(n) small_blocks(T_Q8_0_R8, w, k, ga, gb, x, n, out, ldo)
@@ -216,8 +208,8 @@ void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga
         case T_Q6_K_R8: BY_TILE(Q6K); break;
     }
 }
-#else
-/* Without VNNI no matrix is interleaved (llorch_repacked_type), so this is never called. */
+#elif !defined(LLORCH_AVX2) /* AVX2 without VNNI: interleaved_avx2.c */
+/* Without AVX2 no matrix is interleaved (llorch_repacked_type), so this is never called. */
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
                                const act_block *const *x, int tile, float *out, int64_t ldo) {
     (void)type; (void)w; (void)k; (void)ga; (void)gb; (void)x; (void)tile; (void)out; (void)ldo;

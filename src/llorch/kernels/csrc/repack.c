@@ -37,7 +37,7 @@ int64_t llorch_group_bytes(int type) {
 static int64_t block_values(int type) { return type == T_Q4_K_R8 || type == T_Q6_K_R8 ? QK_K : QK; }
 
 int llorch_repacked_type(int type, int64_t rows) {
-#ifdef LLORCH_VNNI
+#ifdef LLORCH_AVX2 /* the kernels: interleaved.c with VNNI, interleaved_avx2.c without */
     const int repacked = type + REPACKED;
     if (rows % ROWS == 0 && llorch_group_bytes(repacked) != 0) return repacked;
 #else

@@ -60,6 +60,16 @@ static inline void prefetch_halves(const uint16_t *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(p + i, 0, 3);
 }
 
+/* A kernel's call for `tile` activation rows (1 .. TILE), each count a constant in its own copy, so
+ * that the loops over the rows unroll. */
+#define BY_TILE(call_with_tile)            \
+    switch (tile) {                        \
+        case 1: call_with_tile(1); break;  \
+        case 2: call_with_tile(2); break;  \
+        case 3: call_with_tile(3); break;  \
+        default: call_with_tile(TILE); break; \
+    }
+
 #ifdef LLORCH_AVX2
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
