@@ -244,6 +244,40 @@ static int64_t weigh_all8(const float *scores, const uint16_t *const *value_of, 
 }
 #endif
 
+#if defined(LLORCH_AVX2) && !defined(__AVX512F__)
+/* Head h's weighted values, eight values at a time, summed over the chunk's positions in order in a
+ * register: the loop below's operations (a product, then a sum), in its order, so the same bits.
+ * Why: that loop ran value by value (each one converted from float16 on its own), and took 80% of
+ * attention in a prompt chunk on AVX2. Measured on the avx2 variant (Xeon, two threads, alternating in
+ * one process, same bits): prefill of 512 tokens, the 1.1B file 75.4 -> 101 tok/s, the default model
+ * 326 -> 575; decode after it 22.0 -> 27.0 and 57.3 -> 68.8. Returns how many values it summed. */
+static int64_t weigh_slices8(const float *scores, const uint16_t *const *value_of, int64_t count, int64_t group,
+                             int64_t head_dim, int64_t h, float *acc) {
+    int64_t d = 0;
+    for (; d + 32 <= head_dim; d += 32) { /* four slices at once: four chains, one weight load */
+        __m256 sum[4];
+        for (int i = 0; i < 4; i++) sum[i] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < count; p++) {
+            const __m256 weight = _mm256_set1_ps(scores[p * group + h]);
+            for (int i = 0; i < 4; i++) {
+                const __m256 value = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(value_of[p] + d + 8 * i)));
+                sum[i] = _mm256_add_ps(sum[i], _mm256_mul_ps(weight, value));
+            }
+        }
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + d + 8 * i, sum[i]);
+    }
+    for (; d + 8 <= head_dim; d += 8) {
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t p = 0; p < count; p++) {
+            const __m256 value = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(value_of[p] + d)));
+            sum = _mm256_add_ps(sum, _mm256_mul_ps(_mm256_set1_ps(scores[p * group + h]), value));
+        }
+        _mm256_storeu_ps(acc + d, sum);
+    }
+    return d;
+}
+#endif
+
 void llorch_to_fp16(const float *src, int64_t n, uint16_t *dst) { store_fp16(dst, src, n); }
 
 static inline int64_t gcd16(int64_t n) { return n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : n % 2 == 0 ? 2 : 1; }
@@ -343,8 +377,11 @@ void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_
 #endif
     /* what is left, value by value: from value v * 16 of all the heads' values laid end to end */
     for (int64_t h = v * 16 / head_dim; h < group; h++) {
-        const int64_t from = h == v * 16 / head_dim ? v * 16 % head_dim : 0;
+        int64_t from = h == v * 16 / head_dim ? v * 16 % head_dim : 0;
         float *restrict acc = part + h * (head_dim + 2) + 2;
+#if defined(LLORCH_AVX2) && !defined(__AVX512F__)
+        if (from == 0) from = weigh_slices8(scores, value_of, count, group, head_dim, h, acc);
+#endif
         for (int64_t d = from; d < head_dim; d++) acc[d] = 0.0f;
         for (int64_t p = 0; p < count; p++) {
             const float weight = scores[p * group + h];
