@@ -245,6 +245,48 @@ static int64_t weigh_all8(const float *scores, const uint16_t *const *value_of, 
 #endif
 
 #if defined(LLORCH_AVX2) && !defined(__AVX512F__)
+/* Eight vectors reduced to their sums, lane i of the result holding sum(v[i]), each sum paired as
+ * hsum8 pairs it (dot_f32_f16's reduction): l with l + 4, then l with l + 2, then l with l + 1. */
+static inline __m256 reduce8(const __m256 v[8]) {
+    __m256 halves[4], quarters[2];
+    for (int i = 0; i < 4; i++) /* 128-bit half 0: v[2i]'s l + (l + 4); half 1: v[2i + 1]'s */
+        halves[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                                  _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* per half: (0 + 2), (1 + 3) of halves[2i], then of halves[2i + 1] */
+        quarters[i] = _mm256_add_ps(_mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* half 0: the sums of v[0], v[2], v[4], v[6]; half 1: of v[1], v[3], v[5], v[7] */
+    const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm256_shuffle_ps(quarters[0], quarters[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* scores[u] = scale * q_{u % group} . key_{u / group} for the eight units u0 .. u0 + 7: dot_f32_f16's
+ * products, order and reduction, eight at once (its sums reduced together, not each on its own).
+ * With v_exp8 for the weights (the compiler left that loop value by value on AVX2), measured on the
+ * avx2 variant (Xeon, two threads, alternating in one process, same bits): prefill of 512 tokens, the
+ * 1.1B file 103 -> 111 tok/s, the default model 660 -> 699. */
+static inline void score8(const float *q, const uint16_t *const *key_of, int64_t group, int64_t head_dim, float scale,
+                          int64_t u0, float *scores) {
+    const float *qs[8];
+    const uint16_t *ks[8];
+    for (int i = 0; i < 8; i++) {
+        qs[i] = q + ((u0 + i) % group) * head_dim;
+        ks[i] = key_of[(u0 + i) / group];
+    }
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    const int one_key = ks[0] == ks[7]; /* eight heads of one key: it is widened once */
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 shared = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[0] + d)));
+        for (int i = 0; i < 8; i++) {
+            const __m256 key = one_key ? shared : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[i] + d)));
+            acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[i] + d), key, acc[i]);
+        }
+    }
+    _mm256_storeu_ps(scores + u0, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
+}
+
 /* Head h's weighted values, eight values at a time, summed over the chunk's positions in order in a
  * register: the loop below's operations (a product, then a sum), in its order, so the same bits.
  * Why: that loop ran value by value (each one converted from float16 on its own), and took 80% of
@@ -280,7 +322,11 @@ static int64_t weigh_slices8(const float *scores, const uint16_t *const *value_o
 
 void llorch_to_fp16(const float *src, int64_t n, uint16_t *dst) { store_fp16(dst, src, n); }
 
-static inline int64_t gcd16(int64_t n) { return n % 16 == 0 ? 16 : n % 8 == 0 ? 8 : n % 4 == 0 ? 4 : n % 2 == 0 ? 2 : 1; }
+static inline int64_t gcd16(int64_t n) {
+    int64_t g = 16;
+    while (n % g) g /= 2;
+    return g;
+}
 
 void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_t *values, int64_t g, int64_t group,
                          int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots, int64_t first,
@@ -314,6 +360,11 @@ void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_
     if (head_dim % 16 == 0) {
         score_all16(q, key_of, count, group, head_dim, scale, units, scores);
         u = units / 16 * 16;
+    }
+#endif
+#if defined(LLORCH_AVX2) && !defined(__AVX512F__)
+    if (head_dim % 8 == 0) {
+        for (; u + 8 <= units; u += 8) score8(q, key_of, group, head_dim, scale, u, scores);
     }
 #endif
     for (; u < units; u++) scores[u] = dot_f32_f16(q + (u % group) * head_dim, key_of[u / group], head_dim) * scale;
@@ -350,7 +401,13 @@ void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_
             int64_t i = 0;
             for (; i + 16 <= units; i += 16) {
                 const float *shift = shifts + i % period;
+#if defined(LLORCH_AVX2) && !defined(__AVX512F__) /* written out: the compiler left it value by value */
+                for (int l = 0; l < 16; l += 8)
+                    _mm256_storeu_ps(scores + i + l, v_exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i + l),
+                                                                          _mm256_loadu_ps(shift + l))));
+#else
                 for (int l = 0; l < 16; l++) scores[i + l] = v_exp(scores[i + l] - shift[l]);
+#endif
             }
             for (; i < units; i++) scores[i] = v_exp(scores[i] - best[i % group]);
             for (int64_t p = 0; p < count; p++)

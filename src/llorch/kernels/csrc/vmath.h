@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "llorch.h"
+
 static inline float v_exp(float x) {
     const float keep = x >= -87.0f ? 1.0f : 0.0f;
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
@@ -27,6 +29,25 @@ static inline float v_exp(float x) {
     memcpy(&scale, &bits, sizeof scale);
     return p * scale * keep;
 }
+
+#ifdef LLORCH_AVX2
+/* v_exp of eight values: its operations, in its order (no fused multiply-adds), so the same bits.
+ * The clamps keep a NaN as v_exp's comparisons do (max and min return their second operand then). */
+static inline __m256 v_exp8(__m256 x) {
+    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ), _mm256_set1_ps(1.0f));
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723e-6f)));
+    static const float terms[] = {1.38888888888888889e-3f, 8.33333333333333333e-3f, 4.16666666666666667e-2f,
+                                  1.66666666666666667e-1f, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(1.98412698412698413e-4f);
+    for (int i = 0; i < 7; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(terms[i]));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
+}
+#endif
 
 static inline float v_tanh(float x) {
     /* tanh x = 1 - 2 / (e^{2x} + 1): exact at both ends, absolute error ~1e-7 near 0 */
