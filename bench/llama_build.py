@@ -34,11 +34,17 @@ CACHE = Path(os.environ.get("LLORCH_BENCH_CACHE", Path.home() / ".cache" / "llor
 # On CPUs with AMX, the native build's AMX code faults (seen on a Xeon of this machine kind): there it is
 # built without AMX, for the rest of its native flags, and the report says so.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# LLORCH_BENCH_AVX2=1 (speed.py --as-avx2): built as for a CPU with AVX2 alone (Zen 3, say), whatever this
+# one has, so that the AVX2 paths of both engines can be compared on any machine.
+AVX2_ONLY = "-mno-avx512f -mno-avxvnni"
 
 
 WITHOUT_AMX = any(flag.startswith("amx") for flag in cpu_flags())
-HOME = CACHE / (PINNED.replace("==", "-") + ("-no-amx" if WITHOUT_AMX else ""))
-BUILD_FLAGS = f"native, without AMX ({NO_AMX}: its AMX code faults on this CPU)" if WITHOUT_AMX else "native"
+AS_AVX2 = os.environ.get("LLORCH_BENCH_AVX2") == "1"
+_FLAGS = " ".join(([NO_AMX] if WITHOUT_AMX else []) + ([AVX2_ONLY] if AS_AVX2 else []))
+HOME = CACHE / (PINNED.replace("==", "-") + ("-no-amx" if WITHOUT_AMX else "") + ("-avx2" if AS_AVX2 else ""))
+BUILD_FLAGS = ("native" + (f", without AMX ({NO_AMX}: its AMX code faults on this CPU)" if WITHOUT_AMX else "")
+               + (f", capped at AVX2 ({AVX2_ONLY})" if AS_AVX2 else ""))
 TARGETS = ("llama-server", "llama-quantize", "llama")
 
 
@@ -57,8 +63,8 @@ def ensure_build(log: Path | None = None) -> Path:
         package = _source(work, out)
         source = package / "vendor" / "llama.cpp"
         build = work / "build"
-        # GCC keeps an explicit -mno-amx-* over -march=native wherever it stands on the command line.
-        amx = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"] if WITHOUT_AMX else []
+        # GCC keeps an explicit -mno-* over -march=native wherever it stands on the command line.
+        amx = [f"-DCMAKE_C_FLAGS={_FLAGS}", f"-DCMAKE_CXX_FLAGS={_FLAGS}"] if _FLAGS else []
         subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                         "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=ON", *amx], check=True, stdout=out, stderr=out)

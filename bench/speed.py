@@ -1,6 +1,7 @@
 """Everything speed, memory and fidelity, beside llama.cpp and transformers, in one run.
 
     make bench                      # = python bench/speed.py
+    LLORCH_BENCH_AVX2=1 python bench/speed.py ...   # both engines as on a CPU with AVX2 alone
     python bench/speed.py [--threads N] [--reps 3] [--models default,1b,3b] [--clients 1,8,16,32]
                           [--skip-transformers] [--skip-llama] [--skip-concurrency] [--skip-fidelity]
                           [--skip-dequantize] [--skip-speculative] [--skip-embeddings]
@@ -473,6 +474,9 @@ def ratio(mine: dict[str, Any] | None, theirs: dict[str, Any] | None, metric: st
 def report(results: dict[str, Any]) -> list[str]:
     lines = [f"machine: {results['machine']['cpu']}; {results['threads']} threads; read bandwidth "
              f"{results['machine']['bandwidth_gb_s']:.1f} GB/s; CPU flags: {results['machine']['flags']}"]
+    if results.get("as_avx2"):
+        lines.append("both engines capped at AVX2 (LLORCH_BENCH_AVX2=1): llorch's avx2 kernels, llama.cpp built so; "
+                     "a CPU with AVX2 alone, on this machine's caches and memory")
     if "llama_cpp" in results:
         lines.append(f"llama.cpp: {results['llama_cpp']}")
     setup = results.get("kernels_setup_s")
@@ -655,13 +659,16 @@ def main() -> None:
         parser.add_argument(f"--skip-{skipped}", action="store_true")
     args = parser.parse_args()
     args.threads = args.threads or physical_cores()
+    if llama_build.AS_AVX2:  # llorch's side of the cap: its workers inherit it
+        os.environ["LLORCH_KERNELS"] = "avx2"
     torch.set_num_threads(args.threads)
     kernels.set_threads(args.threads)  # the C step's own count
     results: dict[str, Any] = {"threads": args.threads, "reps": args.reps, "device": "cpu", "models": {},
                                "machine": {"cpu": next((line.split(":", 1)[1].strip() for line in cpuinfo().splitlines()
                                                         if line.startswith("model name")), "unknown"),
                                            "flags": cpu_flags(), "bandwidth_gb_s": memory_bandwidth_gb_s(),
-                                           "llc_mb": last_level_cache_bytes() / 1e6}}
+                                           "llc_mb": last_level_cache_bytes() / 1e6},
+                               "as_avx2": llama_build.AS_AVX2}
     try:
         results["kernels_setup_s"] = kernels_setup_s()
     except Exception as exc:  # reported; the rows that need the kernels say so themselves
