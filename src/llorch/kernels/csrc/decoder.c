@@ -287,10 +287,14 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #endif
             for (int64_t r = 0; r < R; r++) {  /* h was consumed by gate/up: it takes the activations */
                 float *g_row = gate + r * I, *u_row = up + r * I, *a_row = h + r * I;
+                int64_t i = 0;
+#if defined(LLORCH_AVX2) && !defined(__AVX512F__)
+                i = v_gated8(g_row, u_row, I, M->activation == 1, a_row);
+#endif
                 if (M->activation == 1) {
-                    for (int64_t i = 0; i < I; i++) a_row[i] = v_gelu_tanh(g_row[i]) * u_row[i];
+                    for (; i < I; i++) a_row[i] = v_gelu_tanh(g_row[i]) * u_row[i];
                 } else {
-                    for (int64_t i = 0; i < I; i++) a_row[i] = v_silu(g_row[i]) * u_row[i];
+                    for (; i < I; i++) a_row[i] = v_silu(g_row[i]) * u_row[i];
                 }
             }
             PROFILE(PH_ACTIVATION);

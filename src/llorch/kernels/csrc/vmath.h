@@ -61,4 +61,32 @@ static inline float v_gelu_tanh(float x) {
     return 0.5f * x * (1.0f + v_tanh(inner));
 }
 
+#ifdef LLORCH_AVX2
+/* out[i] = activation(gate[i]) * up[i] for i < n - n % 8, eight at a time with v_silu's (gelu: 1) or
+ * v_gelu_tanh's operations in their order: the same bits. Why: on AVX2 without AVX-512 the compiler
+ * left those loops value by value. Measured on the avx2 variant (Xeon, two threads, alternating in one
+ * process, same logits): prefill of 512 tokens, the 1.1B file 117 -> 122 tok/s, the default model 763
+ * -> 832. Returns how many it did. */
+static inline int64_t v_gated8(const float *gate, const float *up, int64_t n, int gelu, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + i);
+        __m256 a;
+        if (gelu) {
+            const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), x), x);
+            const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_add_ps(x, cube));
+            const __m256 e = v_exp8(_mm256_mul_ps(_mm256_set1_ps(2.0f), inner));
+            const __m256 tanh = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+            a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, tanh));
+        } else {
+            const __m256 negated = _mm256_xor_ps(x, _mm256_set1_ps(-0.0f));
+            a = _mm256_div_ps(x, _mm256_add_ps(one, v_exp8(negated)));
+        }
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
+    }
+    return i;
+}
+#endif
+
 #endif
