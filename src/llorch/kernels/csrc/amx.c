@@ -11,9 +11,8 @@
  * require), then the tile instructions themselves: on the Xeon measured, the tile unit's work and
  * the vector units' did not overlap, however interleaved (in a loop of them alone, the tile loads
  * and dots took 0.3 ns per row and block and the scaling 1.0; together, with the tile stores,
- * 1.6-1.7). The next span's
- * dots are still issued between parts of the current span's scaling, so that a tile store's wait
- * for its dot is spent scaling. Measured against the avx512-vnni variant in one process (Xeon with
+ * 1.6-1.7). The next span's dots are still issued between parts of the current span's scaling, so
+ * that a tile store's wait for its dot is spent scaling. Measured against the avx512-vnni variant in one process (Xeon with
  * AMX, two threads):
  * prefill of 512 tokens, the default model 1366 -> 1768 tok/s, the 1.1B file 214 -> 262;
  * products of 512 rows, Q4_K 2048 x 2048 265 -> 354 GMAC/s, Q5_0 2048 x 640 220 -> 369.

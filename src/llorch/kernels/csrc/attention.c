@@ -278,9 +278,9 @@ static inline void score8(const float *q, const uint16_t *const *key_of, int64_t
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
     const int one_key = ks[0] == ks[7]; /* eight heads of one key: it is widened once */
     for (int64_t d = 0; d < head_dim; d += 8) {
-        const __m256 shared = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[0] + d)));
+        __m256 key = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[0] + d)));
         for (int i = 0; i < 8; i++) {
-            const __m256 key = one_key ? shared : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[i] + d)));
+            if (i > 0 && !one_key) key = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[i] + d)));
             acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[i] + d), key, acc[i]);
         }
     }

@@ -217,10 +217,11 @@ void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga
 
 /* AMX (amx.c, the amx variant). Whether this process may use the tile registers (asked once), and
  * how many of m activation rows of a matrix of `type` the AMX kernel takes (a multiple of 16; 0 where
- * it takes none: too few rows, amx.c says why). It reads the activations regrouped by tile of 16 rows: q[tile][block][row][32],
- * d and dsum [tile][block][row] (llorch_amx_pack_ws, inside a parallel region), and computes groups
- * ga and gb as llorch_interleaved_groups does, for `tiles` tiles. *configured_k: the caller's record
- * of this thread's tile configuration, 0 at the start of each product. */
+ * it takes none: too few rows, amx.c says why). It reads the activations regrouped by tile of 16
+ * rows: q[tile][block][row][32], d and dsum [tile][block][row] (llorch_amx_pack_ws, inside a
+ * parallel region), and computes groups ga and gb as llorch_interleaved_groups does, for `tiles`
+ * tiles. *configured_k: the caller's record of this thread's tile configuration, 0 at the start of
+ * each product. */
 typedef struct {
     int8_t *q;
     float *d, *dsum;
