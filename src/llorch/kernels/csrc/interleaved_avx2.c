@@ -122,6 +122,12 @@ static inline __attribute__((always_inline)) void q4_k_group(int64_t supers, int
                     even[t] = _mm256_add_epi16(even[t], _mm256_maddubs_epi16(lo, four_bytes(first->q + 4 * step)));
                     odd[t] = _mm256_add_epi16(odd[t], _mm256_maddubs_epi16(hi, four_bytes((first + 1)->q + 4 * step)));
                 }
+                /* the eight sums held in registers (an empty asm that takes them all): left to itself the compiler
+                 * kept one in memory, and each step waited on its store. Products of 64 and 512 rows (Q4_K 2048 x
+                 * 2048, two threads, Xeon): 157 -> 170, 150 -> 159 GMAC/s. */
+                if (tile == TILE)
+                    __asm__("" : "+x"(even[0]), "+x"(even[1]), "+x"(even[2]), "+x"(even[3]), "+x"(odd[0]), "+x"(odd[1]),
+                            "+x"(odd[2]), "+x"(odd[3]));
             }
             __m256 scale[2], min[2];
             for (int j = 0; j < 2; j++) {
@@ -154,8 +160,13 @@ static inline __m256i high_pair(__m256i plane, int p) {
     return _mm256_and_si256(placed, _mm256_set1_epi8(0x30));
 }
 
-/* Q6_K_R8, one group: per 16 values an 8-bit scale; each half's dot times its scale in float, exact
- * (interleaved.c says why). */
+/* Q6_K_R8, one group: per 16 values an 8-bit scale. The block's exact integer sum of each half's dot
+ * times its scale, which interleaved.c forms in float (exact there, as it says), is formed here in
+ * integers: the pair sums' widening multiplies by the scale (vpmaddwd), and the weights' offset of 32
+ * comes off once per block as 32 * (scale_0 * sum_0 + scale_1 * sum_1), one vpmaddwd of the two
+ * halves' activation sums. The same value (below 2^24, so converted exactly; every partial sum below
+ * 2^26), so the same bits, in fewer operations. Products of 64 and 512 rows (2048 x 5632, two threads,
+ * Xeon): 125 -> 138, 116 -> 130 GMAC/s. */
 static inline __attribute__((always_inline)) void q6_k_group(int64_t supers, int64_t group_bytes, const uint8_t *g0,
                                                            const act_block *const *x, int tile, float *out,
                                                            int64_t ldo) {
@@ -169,8 +180,12 @@ static inline __attribute__((always_inline)) void q6_k_group(int64_t supers, int
         for (int b = 0; b < 8; b++) {
             const uint8_t *pb = g + 144 + b * 192;
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(g + 16 + 16 * b)); /* half 0's 8, half 1's 8 */
-            const __m256 scale0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-            const __m256 scale1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+            /* each row's scale twice, as the 16-bit pair of its lane: half 0's, half 1's */
+            const __m256i scale0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(bytes, bytes));
+            const __m256i scale1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(bytes, bytes));
+            /* each row's (32 scale_0, 32 scale_1): at most 4096 */
+            const __m256i offset = _mm256_slli_epi16(
+                _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(bytes, _mm_srli_si128(bytes, 8))), 5);
             const __m256i high0 = step_at(pb + 128), high1 = step_at(pb + 160);
             __m256i v[8];
             for (int p = 0; p < 4; p++) {
@@ -180,19 +195,15 @@ static inline __attribute__((always_inline)) void q6_k_group(int64_t supers, int
             }
             for (int t = 0; t < tile; t++) {
                 const act_block *a = x[t] + s * 8 + b;
-                __m256i half[2]; /* values 0-15, 16-31: 16-bit sums of two steps, at most 2 x 2 x 63 x 127 */
-                for (int h = 0; h < 2; h++) {
-                    half[h] = _mm256_set1_epi32(-32 * a->sum[h]);
-                    for (int c = 4 * h; c < 4 * h + 4; c += 2) {
-                        const __m256i pairs = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(v[c], four_bytes(a->q + 4 * c)),
-                            _mm256_maddubs_epi16(v[c + 1], four_bytes(a->q + 4 * (c + 1))));
-                        half[h] = _mm256_add_epi32(half[h], widen(pairs));
-                    }
+                __m256i dot = _mm256_setzero_si256();
+                for (int c = 0; c < 8; c += 2) { /* 16-bit sums of two steps: at most 2 x 2 x 63 x 127 */
+                    const __m256i pairs = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(v[c], four_bytes(a->q + 4 * c)),
+                        _mm256_maddubs_epi16(v[c + 1], four_bytes(a->q + 4 * (c + 1))));
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, c < 4 ? scale0 : scale1));
                 }
-                const __m256 both = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half[1]), scale1,
-                                                    _mm256_mul_ps(_mm256_cvtepi32_ps(half[0]), scale0));
-                acc[t] = _mm256_fmadd_ps(both, _mm256_set1_ps(a->d), acc[t]);
+                dot = _mm256_sub_epi32(dot, _mm256_madd_epi16(offset, four_bytes((const int8_t *)a->sum)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a->d), acc[t]);
             }
         }
         const __m256 d = scales8(g);
