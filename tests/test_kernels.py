@@ -180,7 +180,7 @@ def test_the_interleaved_kernels_without_vnni_get_the_bits_of_the_vnni_ones(vari
     interleaved = blocks.repacked(layout, int(qtype), cols, lib=narrow)
     assert interleaved == blocks.repacked(matrix, int(qtype), cols, lib=vnni) > int(qtype)
     assert torch.equal(layout, matrix)  # one layout for both
-    for rows in (1, 3, 4, 9):  # the kernels take activation rows four at a time
+    for rows in (1, 2, 3, 4, 9):  # four activation rows at a time; one or two take Q4_K's groups in pairs
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3
         assert torch.equal(blocks.matmul(x, matrix, interleaved, lib=narrow),
                            blocks.matmul(x, matrix, interleaved, lib=vnni))
