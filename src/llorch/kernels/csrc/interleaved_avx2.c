@@ -133,7 +133,8 @@ static inline __attribute__((always_inline)) void q4_k_groups(int64_t supers, in
                 }
                 for (int t = 0; t < tile; t++) {
                     const act_block *first = x[t] + s * 8 + 2 * p;
-                    const __m256i a_even = four_bytes(first->q + 4 * step), a_odd = four_bytes((first + 1)->q + 4 * step);
+                    const __m256i a_even = four_bytes(first->q + 4 * step);
+                    const __m256i a_odd = four_bytes((first + 1)->q + 4 * step);
                     for (int n = 0; n < groups; n++) {
                         even[n][t] = _mm256_add_epi16(even[n][t], _mm256_maddubs_epi16(lo[n], a_even));
                         odd[n][t] = _mm256_add_epi16(odd[n][t], _mm256_maddubs_epi16(hi[n], a_odd));
@@ -215,7 +216,8 @@ static inline __attribute__((always_inline)) void q6_k_groups(int64_t supers, in
                 scale[n][0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(bytes, bytes));
                 scale[n][1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(bytes, bytes));
                 /* each row's (32 scale_0, 32 scale_1): at most 4096 */
-                offset[n] = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(bytes, _mm_srli_si128(bytes, 8))), 5);
+                const __m128i halves = _mm_unpacklo_epi8(bytes, _mm_srli_si128(bytes, 8));
+                offset[n] = _mm256_slli_epi16(_mm256_cvtepi8_epi16(halves), 5);
                 for (int t = 0; t < tile; t++) dot[n][t] = _mm256_setzero_si256();
             }
             for (int c = 0; c < 8; c += 2) { /* 16-bit sums of two steps: at most 2 x 2 x 63 x 127 */
@@ -266,8 +268,9 @@ static inline __attribute__((always_inline)) void one_group(int type, const uint
     if (type == T_Q4_K_R8 || type == T_Q6_K_R8) {
         const int64_t supers = k / QK_K, span = supers * group_bytes;
         const uint8_t *at = w + g * span;
-        if (type == T_Q4_K_R8) q4_k_groups(supers, group_bytes, 1, at, at, x, tile, out + ROWS * g, out + ROWS * g, ldo);
-        else q6_k_groups(supers, group_bytes, 1, at, at, x, tile, out + ROWS * g, out + ROWS * g, ldo);
+        float *at_out = out + ROWS * g;
+        if (type == T_Q4_K_R8) q4_k_groups(supers, group_bytes, 1, at, at, x, tile, at_out, at_out, ldo);
+        else q6_k_groups(supers, group_bytes, 1, at, at, x, tile, at_out, at_out, ldo);
     } else {
         const int64_t blocks = k / QK, span = blocks * group_bytes;
         small_blocks_group(type, blocks, group_bytes, w + g * span, x, tile, out + ROWS * g, ldo);
