@@ -16,6 +16,11 @@
  * step at a time. Every block's (or Q6_K half-block's) integer dot is exact, and the float
  * operations after it are interleaved.c's, in its order: a row gets the same bits as from the
  * VNNI kernels, whatever its batch.
+ *
+ * One or two activation rows (decoding) take a chunk's two groups in one pass, as the 512-bit
+ * kernels do in their two register halves: two runs of weights are read side by side and each
+ * activation broadcast serves both. More rows fill the registers with their own sums, and take
+ * the groups one after the other.
  */
 #include "simd.h"
 
