@@ -225,6 +225,15 @@ def all_logits(loaded: LoadedModel, ids: list[int], kv_dtype: torch.dtype | None
     return logits.float().cpu()
 
 
+def prompt_row_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """all_logits of a model the C step computes, with every row a prompt row (runner.ChunkInput.prompt)."""
+    assert loaded.native is not None
+    step = contiguous_step(loaded.config, 0, len(ids), torch.device("cpu"), last_only=False)
+    arrays = [(layer.keys.numpy(), layer.values.numpy()) for layer in new_cache(loaded, len(ids))]
+    return torch.from_numpy(loaded.native.forward(np.array(ids), step.layout, arrays, torch.get_num_threads(),
+                                                  prompt_from=0)).float()
+
+
 def greedy_ids(loaded: LoadedModel, ids: list[int], count: int, stop_at_eos: bool = True) -> list[int]:
     """Up to `count` greedy tokens after `ids`, straight from the decoder (no engine)."""
     cache = new_cache(loaded, len(ids) + count)

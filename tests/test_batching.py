@@ -289,3 +289,45 @@ def test_a_job_larger_than_the_whole_kv_pool_is_refused_with_400(tiny: LoadedMod
     assert error["field"] == "max_tokens" and "--kv-cache-mb" in error["message"]
     assert error["constraint"] == f"prompt_tokens + max_tokens <= {7 * 16}"
     assert engine.stats().jobs_in_flight == 0
+
+
+
+def test_a_long_prompts_rows_give_cache_hits_the_bits_of_a_miss(served: LoadedModel) -> None:
+    """A prompt of 32 tokens or more has its own tokens computed as prompt rows: on a CPU with AMX-BF16 by a
+    kernel of their own (csrc/amx_bf16.c), whose last bits are not the decoding rows'. So a cached block serves
+    only a job that would compute it the same way: the same prompt again, and a conversation sent back with
+    the answer in it, get exactly the log-probabilities a cold cache gives, batched or not."""
+    prompt = served.tokenizer.encode(PROMPTS[5][0])
+    assert len(prompt) >= 48
+
+    def submit(engine: Engine, job_id: str, ids: list[int], max_tokens: int) -> Job:
+        job = Job()
+        request = GenerationRequest(job_id, None, max_tokens, GREEDY, logprobs=2, prompt_ids=tuple(ids))
+        engine.submit(engine.prepare(request), job.emit)
+        return job
+
+    def logprobs(job: Job) -> list[dict]:
+        job.wait()
+        return [e for e in job.events if e["type"] == "logprob"]
+
+    # One engine at a time: two would share the one C step's buffers.
+    cached = make_engine(served, prefix_caching=True, max_batch_tokens=48)
+    try:
+        first = logprobs(submit(cached, "first", prompt, 16))
+        # The conversation sent back: the prompt, the answer's very tokens, and more (blocks of the answer are cached).
+        more = served.tokenizer.encode(" And then", add_special_tokens=False)
+        follow = prompt + [e["token_id"] for e in first] + more
+        specs = [("again", prompt, 16), ("follow", follow, 12), ("short", prompt[:20], 8)]
+        hot = [logprobs(job) for job in [submit(cached, *spec) for spec in specs]]  # together
+        hits = cached.stats().prefix_cache_hit_tokens
+    finally:
+        cached.stop()
+    cold = make_engine(served, prefix_caching=False, max_batch_tokens=48)
+    try:
+        plain = [logprobs(submit(cold, *spec)) for spec in specs]  # one at a time
+    finally:
+        cold.stop()
+    assert hits >= 3 * 16, "the prompt's blocks were reused"
+    assert len(first) == 16 and first == hot[0] == plain[0]
+    for spec, one, other in zip(specs, hot, plain, strict=True):
+        assert one and one == other, spec[0]

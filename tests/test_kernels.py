@@ -167,6 +167,31 @@ def test_rows_computed_on_amx_get_the_bits_of_the_8_bit_dot_kernels(qtype: Q, co
                            blocks.matmul(x, matrix, interleaved, lib=vnni))
 
 
+@pytest.mark.skipif("amx" not in VARIANTS, reason="this CPU has no AMX")
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 2304)],
+                         ids=lambda v: v.name if isinstance(v, Q) else str(v))
+def test_a_prompts_rows_on_amx_bf16_are_the_files_product_to_bfloat16_rounding(qtype: Q, cols: int) -> None:
+    """A prompt's rows (csrc/amx_bf16.c): each weight the file's value and each activation rounded once to
+    bfloat16, the sums in float32, so every output is within those roundings of the exact product and on
+    average closer to it than the 8-bit kernels' blocks get; and each row is computed on its own."""
+    amx = build.load_variant("amx")
+    matrix = random_matrix(qtype, 56, cols, seed=14)  # seven groups of eight: a unit of four and one of three
+    interleaved = blocks.repacked(matrix, int(qtype), cols, lib=amx)
+    exact_weights = blocks.dequantize_rows(matrix, interleaved, cols, lib=amx).double()
+    x = torch.randn(37, cols, generator=torch.Generator().manual_seed(cols)) * 3  # three tiles of rows, the last short
+    ours = blocks.prompt_matmul(x, matrix, interleaved, lib=amx)
+    assert ours is not None, "the amx variant takes interleaved matrices for a prompt's rows"
+    exact = x.double() @ exact_weights.T
+    # Two roundings of 2^-9 per product, and float32 sums of `cols` terms.
+    bound = (2**-8 + cols * 2**-24) * (x.double().abs() @ exact_weights.abs().T)
+    assert bool(((ours.double() - exact).abs() <= bound).all())
+    eight_bit = blocks.matmul(x, matrix, interleaved, lib=amx).double()
+    assert (ours.double() - exact).abs().mean() < 0.6 * (eight_bit - exact).abs().mean()
+    for row in (0, 16, 36):
+        assert torch.equal(blocks.prompt_matmul(x[row : row + 1], matrix, interleaved, lib=amx), ours[row : row + 1])
+    assert blocks.prompt_matmul(x, matrix, int(qtype), lib=amx) is None  # a file type: not taken
+
+
 @pytest.mark.skipif("avx512-vnni" not in VARIANTS, reason="this CPU has no AVX-512 VNNI to compare with")
 @pytest.mark.parametrize("variant", [v for v in ("avx512", "avx2") if v in VARIANTS])
 @pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768)],
@@ -331,7 +356,7 @@ def test_every_runnable_variant_is_offered_best_first() -> None:
     assert names[-1] == "portable"
     assert len(set(names)) == len(names)
     flags = build.cpu_flags()
-    if {"amx_tile", "amx_int8", "avx512_vnni", "avx512f"} <= flags:
+    if {"amx_tile", "amx_int8", "amx_bf16", "avx512_bf16", "avx512_vnni", "avx512f"} <= flags:
         assert names[:2] == ["amx", "avx512-vnni"]
     elif {"avx512_vnni", "avx512f"} <= flags:
         assert names[0] == "avx512-vnni"

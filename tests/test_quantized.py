@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LLAMA_CPP_KL, Worker, all_logits, english_text, start_worker, stop_worker
+from conftest import LLAMA_CPP_KL, Worker, all_logits, english_text, prompt_row_logits, start_worker, stop_worker
 from llorch.errors import ModelFileError
 from llorch.kernels import blocks
 from llorch.models.quantized import GGUFEmbedding, GGUFLinear
@@ -53,12 +53,17 @@ def test_matrices_hold_exactly_the_files_block_bytes(served: LoadedModel, model_
                            blocks.dequantize_rows(raw, int(info.qtype), width))
 
 
-def test_fidelity_to_the_exact_reference_is_at_least_llama_cpps(served: LoadedModel, ours: LoadedModel) -> None:
+@pytest.mark.parametrize("rows", ["decoding", "prompt"])
+def test_fidelity_to_the_exact_reference_is_at_least_llama_cpps(served: LoadedModel, ours: LoadedModel,
+                                                                 rows: str) -> None:
     """Mean KL divergence of the next-token distribution against the same file dequantized and
     computed in float32, teacher-forced over 256 tokens of English text, and how often the
-    top token agrees. Measured: KL 0.0022, top token agreeing at 96.9% of positions."""
+    top token agrees, for decoding rows and for a prompt's rows (on a CPU with AMX-BF16 their own
+    kernel, csrc/amx_bf16.c; elsewhere the same kernels). Measured on a Xeon with AMX: KL 0.0023 and
+    0.0005, the top token agreeing at 97.7% and 98.8% of positions."""
     ids = ours.tokenizer.encode(english_text())[:257]
-    mine = torch.log_softmax(all_logits(served, ids).double(), -1)
+    logits = all_logits(served, ids) if rows == "decoding" else prompt_row_logits(served, ids)
+    mine = torch.log_softmax(logits.double(), -1)
     exact = torch.log_softmax(all_logits(ours, ids).double(), -1)
     kl = float((exact.exp() * (exact - mine)).sum(-1).mean())
     top1 = float((mine.argmax(-1) == exact.argmax(-1)).double().mean())

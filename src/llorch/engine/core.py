@@ -159,7 +159,7 @@ class EngineCore:
             samples, pools = c.completes and seq.max_tokens > 0, c.completes and seq.request.pooled
             ids = seq.token_ids[start : start + c.tokens] + c.draft
             offsets = range(rows.start - start, rows.stop - start)
-            inputs.append(ChunkInput(ids, start, seq.blocks.blocks, samples or pools, offsets, len(c.draft)))
+            inputs.append(ChunkInput(ids, start, seq.blocks.blocks, samples or pools, offsets, len(c.draft), c.prompt))
             if rows:
                 scored.append((seq, rows, row))
                 row += len(rows)

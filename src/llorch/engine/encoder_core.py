@@ -38,6 +38,7 @@ class EncoderRunner:
         self.device = device
         self.dtype = dtype
         self.weight_bytes = resident_module_bytes(device, model)
+        self.prompt_kernel = False  # every row is an input's own (ModelRunner.prompt_kernel): one kernel for all
 
     @property
     def resident_bytes(self) -> int:

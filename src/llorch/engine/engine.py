@@ -140,7 +140,7 @@ class Engine:
                 raise QueueFull(f"{waiting} jobs are already waiting (--max-queue {self.config.max_queue})")
             self._queued += 1
             self._arrivals += 1
-            seq = Sequence(job, seed, self._arrivals, self.core.block_size)
+            seq = Sequence(job, seed, self._arrivals, self.core.block_size, self.core.runner.prompt_kernel)
             seq.backlog = backlog
             self.output.open(request.job_id, request.stop, emit)
             self._jobs[request.job_id] = seq

@@ -24,6 +24,12 @@ class Chunk:
         return self.tokens == self.seq.pending
 
     @property
+    def prompt(self) -> int:
+        """How many of its tokens are prompt rows (runner.ChunkInput.prompt, Sequence.prompt_rows): the same
+        for a token whatever chunk, step or batch it comes in, so a job's tokens never depend on its schedule."""
+        return max(0, min(self.tokens, self.seq.prompt_rows - self.seq.blocks.computed))
+
+    @property
     def draft(self) -> list[int]:
         """Proposed tokens fed after the known ones, for this step to verify."""
         return self.seq.draft if self.completes else []

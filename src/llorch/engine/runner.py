@@ -46,6 +46,9 @@ class ChunkInput:
     scored: range = range(0)
     # The last `verified` of token_ids are proposed tokens: the rows of each, after the sampling row, are wanted too.
     verified: int = 0
+    # The first `prompt` of token_ids are the job's own prompt tokens, which the C step may compute on a kernel of
+    # its own (csrc/amx_bf16.c): none of them is ever computed another way (plan.Chunk.prompt).
+    prompt: int = 0
 
 
 class ModelRunner:
@@ -76,6 +79,11 @@ class ModelRunner:
         return self.weight_bytes + self.kv.bytes
 
     @property
+    def prompt_kernel(self) -> bool:
+        """Whether the rows of a prompt (ChunkInput.prompt) are computed by a kernel of their own, with other bits."""
+        return isinstance(self.model, NativeDecoder) and self.model.prompt_kernel
+
+    @property
     def parameter_count(self) -> int:
         return parameter_count(self.config)  # from the shapes: GGUF blocks hold several values a byte
 
@@ -90,18 +98,19 @@ class ModelRunner:
 
         Single-token chunks should come first and together: they share one attention call.
         """
+        native = isinstance(self.model, NativeDecoder)
+        if native and any(chunk.prompt for chunk in chunks):
+            return self._forward_with_prompt_rows(chunks)
         specs, ids, logit_rows, row = [], [], [], 0
         for chunk in chunks:
-            end = chunk.start + len(chunk.token_ids)
-            if len(chunk.block_table) * self.kv.block_size < end:
-                raise ValueError(f"a chunk ending at position {end} has only {len(chunk.block_table)} blocks")
+            self._check_blocks(chunk)
             specs.append(ChunkSlots(chunk.start, len(chunk.token_ids), self._slots.slots(chunk.block_table)))
             ids.extend(chunk.token_ids)
             logit_rows.extend(row + offset for offset in chunk.scored)
             row += len(chunk.token_ids)
             if chunk.wants_logits:
                 logit_rows.extend(range(row - 1 - chunk.verified, row))
-        if isinstance(self.model, NativeDecoder):
+        if native:
             cache = [(layer.keys, layer.values) for layer in self.kv.layers]
             return self.model.forward(ids, row_layout(specs, logit_rows), cache, threads())
         import torch
@@ -111,3 +120,35 @@ class ModelRunner:
         batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=self.kv.pad_slot)
         with torch.inference_mode():
             return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv.layers)
+
+    def _check_blocks(self, chunk: ChunkInput) -> None:
+        end = chunk.start + len(chunk.token_ids)
+        if len(chunk.block_table) * self.kv.block_size < end:
+            raise ValueError(f"a chunk ending at position {end} has only {len(chunk.block_table)} blocks")
+
+    def _forward_with_prompt_rows(self, chunks: list[ChunkInput]) -> Array:
+        """forward on the C step when some rows are prompt rows: those go last, as the step takes them (its
+        rows are independent but for the keys and values they write first), and the wanted rows' logits come
+        back in forward's order all the same."""
+        assert isinstance(self.model, NativeDecoder)
+        others, prompts, ids_others, ids_prompts = [], [], [], []
+        for chunk in chunks:
+            self._check_blocks(chunk)
+            slots, p = self._slots.slots(chunk.block_table), chunk.prompt
+            if p < len(chunk.token_ids):
+                others.append(ChunkSlots(chunk.start + p, len(chunk.token_ids) - p, slots))
+                ids_others.extend(chunk.token_ids[p:])
+            if p:
+                prompts.append(ChunkSlots(chunk.start, p, slots))
+                ids_prompts.extend(chunk.token_ids[:p])
+        # Where each chunk's row `offset` went: its prompt rows after every other row, in chunk order.
+        logit_rows, other_at, prompt_at = [], 0, len(ids_others)
+        for chunk in chunks:
+            p, length = chunk.prompt, len(chunk.token_ids)
+            wanted = [*chunk.scored, *(range(length - 1 - chunk.verified, length) if chunk.wants_logits else ())]
+            logit_rows.extend(prompt_at + offset if offset < p else other_at + offset - p for offset in wanted)
+            other_at += length - p
+            prompt_at += p
+        cache = [(layer.keys, layer.values) for layer in self.kv.layers]
+        return self.model.forward(ids_others + ids_prompts, row_layout(others + prompts, logit_rows), cache,
+                                  threads(), prompt_from=len(ids_others))

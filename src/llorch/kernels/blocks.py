@@ -99,3 +99,18 @@ def matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None
                                         out.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError(f"the C matmul could not allocate its scratch for rows of {k} values")
     return out
+
+
+def prompt_matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None) -> Tensor | None:
+    """matmul's product as the C step computes a prompt's rows (csrc/amx_bf16.c: weights and activations as
+    bfloat16, float32 sums); None where that kernel does not take the matrix (no AMX-BF16, a file type)."""
+    import torch
+
+    x = x.float().contiguous()
+    m, k = x.shape
+    out = torch.empty(m, weight.shape[0], dtype=torch.float32)
+    status = (lib or library()).llorch_matmul_prompt(int(qtype), weight.data_ptr(), weight.shape[0], k, x.data_ptr(),
+                                                     m, out.data_ptr(), torch.get_num_threads())
+    if status == -1:
+        raise MemoryError(f"the C matmul could not allocate its buffers for {m} rows of {k} values")
+    return None if status == -2 else out

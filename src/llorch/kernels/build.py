@@ -7,7 +7,8 @@ sizes its per-op dispatch costs more than the arithmetic (see csrc/decoder.c).
 
 The same sources (csrc/*.c) are built as one variant per instruction set, each with
 explicit flags rather than -march=native, and the best variant this CPU runs is loaded:
-- amx: avx512-vnni plus AMX's int8 tiles for activation rows sixteen at a time (csrc/amx.c);
+- amx: avx512-vnni plus AMX's int8 tiles for activation rows sixteen at a time (csrc/amx.c), and its
+  bfloat16 tiles for a prompt's rows (csrc/amx_bf16.c);
 - avx512-vnni: AVX-512 with VNNI's 8-bit dot products (vpdpbusd);
 - avx512: AVX-512 (the integer dot uses AVX2's 16-bit pair products);
 - avx2: AVX2 and FMA;
@@ -57,8 +58,8 @@ _X86_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *_X86_AVX2
 _AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 X86_VARIANTS = (  # best first
-    Variant("amx", (*_X86_AVX512, "-mavx512vnni", "-mamx-tile", "-mamx-int8"),
-            _AVX512_FLAGS | {"avx512_vnni", "amx_tile", "amx_int8"}),
+    Variant("amx", (*_X86_AVX512, "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"),
+            _AVX512_FLAGS | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"}),
     Variant("avx512-vnni", (*_X86_AVX512, "-mavx512vnni"), _AVX512_FLAGS | {"avx512_vnni"}),
     Variant("avx512", _X86_AVX512, _AVX512_FLAGS),
     Variant("avx2", _X86_AVX2, _AVX2_FLAGS),
@@ -185,6 +186,8 @@ _SIGNATURES = {
     "llorch_dequantize_row": ([_INT, _P, _I64, _P], None),
     "llorch_quantize_rows": ([_P, _I64, _I64, _P], None),
     "llorch_matmul": ([_INT, _P, _I64, _I64, _P, _P, _I64, _P, _INT], _INT),
+    "llorch_matmul_prompt": ([_INT, _P, _I64, _I64, _P, _I64, _P, _INT], _INT),
+    "llorch_bf16_takes": ([_P, _INT], _INT),
     "llorch_decoder_forward": ([_P, _P, _INT], _INT),
     "llorch_fail_allocations": ([_INT], None),
     "llorch_amx_ready": ([], _INT),

@@ -37,7 +37,7 @@ class ModelDesc(ctypes.Structure):
 class StepDesc(ctypes.Structure):
     _fields_ = [
         ("rows", _I64), ("tokens", _P), ("positions", _P), ("write_slots", _P), ("slot_start", _P), ("slots", _P),
-        ("logit_rows_count", _I64), ("logit_rows", _P), ("logits", _P), ("best", _P),
+        ("logit_rows_count", _I64), ("logit_rows", _P), ("logits", _P), ("best", _P), ("prompt_from", _I64),
     ]
 
 

@@ -37,7 +37,7 @@ class CompiledStep(Protocol):
     """A whole forward step in one call (the C step, models/native.py): it replaces the module's own."""
 
     def forward(self, token_ids: np.ndarray, layout: RowLayout, cache: list[tuple[np.ndarray, np.ndarray]],
-                threads: int) -> np.ndarray: ...
+                threads: int, prompt_from: int | None = None) -> np.ndarray: ...
 
 
 class RMSNorm(nn.Module):

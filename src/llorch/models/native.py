@@ -133,6 +133,11 @@ class NativeDecoder:
             raise ValueError("norms and biases the C step reads must be contiguous float32")
         return array.ctypes.data
 
+    @property
+    def prompt_kernel(self) -> bool:
+        """Whether a prompt's rows have a kernel of their own here (runner.ChunkInput.prompt; csrc/amx_bf16.c)."""
+        return bool(self.lib.llorch_bf16_takes(ctypes.byref(self.layers[0].q), 1))
+
     def _logits(self, rows: int) -> np.ndarray:
         """A [rows, vocab] float32 array for a step's logits: the last step's, when no one holds it any more.
 
@@ -155,8 +160,10 @@ class NativeDecoder:
             for (keys, values), (bound_keys, bound_values) in zip(cache, bound, strict=True))
 
     def forward(self, token_ids: Sequence[int] | np.ndarray, layout: RowLayout,
-                cache: Sequence[tuple[np.ndarray, np.ndarray]], threads: int) -> np.ndarray:
-        """Logits [R, vocab] of the step's wanted rows (float32); `cache` holds each layer's keys and values."""
+                cache: Sequence[tuple[np.ndarray, np.ndarray]], threads: int, prompt_from: int | None = None,
+                ) -> np.ndarray:
+        """Logits [R, vocab] of the step's wanted rows (float32); `cache` holds each layer's keys and values.
+        Rows from `prompt_from` on are tokens of their jobs' prompts (runner.ChunkInput.prompt; None: no row)."""
         if isinstance(token_ids, np.ndarray):
             valid = not token_ids.size or 0 <= int(token_ids.min()) <= int(token_ids.max()) < self.vocab
         else:  # a step's list of ids: checked without numpy's per-call cost
@@ -179,7 +186,8 @@ class NativeDecoder:
                         write_slots=layout.write_slots.ctypes.data, slot_start=layout.slot_start.ctypes.data,
                         slots=layout.slots.ctypes.data, logit_rows_count=rows,
                         logit_rows=layout.logit_rows.ctypes.data, logits=logits.ctypes.data,
-                        best=ctypes.addressof(self._best))
+                        best=ctypes.addressof(self._best),
+                        prompt_from=len(layout.positions) if prompt_from is None else prompt_from)
         self._best_of = None
         if self.lib.llorch_decoder_forward(ctypes.addressof(self.model), ctypes.addressof(step), threads) != 0:
             raise MemoryError(f"the C step could not allocate its buffers for {step.rows} rows")

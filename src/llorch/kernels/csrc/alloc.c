@@ -24,6 +24,15 @@ void *llorch_alloc(size_t bytes) {
     return p;
 }
 
+void *llorch_grow(void **buffer, size_t *capacity, size_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *buffer = llorch_alloc(bytes);
+        *capacity = *buffer ? bytes : 0;
+    }
+    return *buffer;
+}
+
 void llorch_fail_allocations(int count) { __atomic_store_n(&failures_to_inject, count, __ATOMIC_RELAXED); }
 
 int llorch_take_allocation_failure(void) { return __atomic_exchange_n(&allocation_failed, 0, __ATOMIC_RELAXED); }
@@ -59,7 +68,7 @@ int64_t llorch_struct_layout(int which, int64_t *out) {
         out[n++] = sizeof(step_desc);
         FIELD(step_desc, rows); FIELD(step_desc, tokens); FIELD(step_desc, positions); FIELD(step_desc, write_slots);
         FIELD(step_desc, slot_start); FIELD(step_desc, slots); FIELD(step_desc, logit_rows_count);
-        FIELD(step_desc, logit_rows); FIELD(step_desc, logits); FIELD(step_desc, best);
+        FIELD(step_desc, logit_rows); FIELD(step_desc, logits); FIELD(step_desc, best); FIELD(step_desc, prompt_from);
         break;
     default:
         return -1;

@@ -36,7 +36,6 @@
 #include <unistd.h>
 
 #define TILE_ROWS 16 /* activation rows per tile */
-#define SUB 8        /* blocks of 32 values per unpacked span: a K-quant super-block */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -85,17 +84,7 @@ static void configure(int k, int *configured_k) {
     *configured_k = k;
 }
 
-/* One span's weights in tile form, and the float scales its sub-blocks are multiplied by. */
-typedef struct {
-    int8_t b[SUB][8][64] __attribute__((aligned(64))); /* [block][step][weight row x 4 values] */
-    __m512 scale[SUB], min[SUB];                        /* Q4_K sub-blocks; Q8_0 / Q5_0: scale = d */
-    __m512 iscale[SUB][2];                              /* Q6_K: each half's 8-bit scale (as a float) */
-    __m512 d, dmin;
-    int blocks;                                         /* blocks of 32 in this span (<= SUB) */
-} span;
-
-/* Super-block s of the groups at wa, wb (bytes of one group block each) into tile form. */
-static void unpack_span(int type, const uint8_t *wa, const uint8_t *wb, int64_t s, int64_t blocks, span *out) {
+void llorch_amx_unpack_span(int type, const uint8_t *wa, const uint8_t *wb, int64_t s, int64_t blocks, span *out) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     if (type == T_Q4_K_R8) {
         const int64_t at = s * llorch_group_bytes(type);
@@ -281,18 +270,9 @@ static inline void scale_quarter(int type, const span *sp, const dots *c, const 
     for (int t = 0; t < QUARTER; t++) store_pair(out_a + (r0 + t) * ldo, out_b + (r0 + t) * ldo, total[t]);
 }
 
-/* Per-thread room for one chunk's unpacked spans, grown as needed; NULL when it could not grow. */
-static __thread span *chunk_spans;
-static __thread int64_t chunk_capacity;
-
-static span *spans_for(int64_t count) {
-    if (count > chunk_capacity) {
-        free(chunk_spans);
-        chunk_spans = llorch_alloc(sizeof(span) * (size_t)count);
-        chunk_capacity = chunk_spans ? count : 0;
-    }
-    return chunk_spans;
-}
+/* Per-thread room for one chunk's unpacked spans (llorch_grow). */
+static __thread void *chunk_spans;
+static __thread size_t chunk_capacity;
 
 void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, const amx_acts *x,
                        int64_t tiles, float *out, int64_t ldo, int *configured_k) {
@@ -301,11 +281,11 @@ void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_
     const int64_t span_bytes = (is_k ? k / QK_K : blocks) * llorch_group_bytes(type);
     const uint8_t *wa = w + ga * span_bytes, *wb = w + gb * span_bytes;
     float *out_a = out + 8 * ga, *out_b = out + 8 * gb;
-    span *sp = spans_for(spans);
+    span *sp = llorch_grow(&chunk_spans, &chunk_capacity, sizeof(span) * (size_t)spans);
     if (sp == NULL) return; /* the step fails (alloc.c) */
     dots c[2][2 * SUB] __attribute__((aligned(64))); /* two spans' dots: one scaled while the next is made */
     configure(type == T_Q6_K_R8 ? 16 : 32, configured_k);
-    for (int64_t s = 0; s < spans; s++) unpack_span(type, wa, wb, s, blocks, sp + s);
+    for (int64_t s = 0; s < spans; s++) llorch_amx_unpack_span(type, wa, wb, s, blocks, sp + s);
     /* One tile of rows at a time through every span, so that its outputs stay in cache; span s + 1's
      * dots are issued in parts between the parts of span s's scaling (see the top of this file). */
     for (int64_t t = 0; t < tiles; t++) {

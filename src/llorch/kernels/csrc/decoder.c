@@ -60,17 +60,25 @@ static inline int is_block_type(int type) { return type != T_F32 && type != T_F1
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* outs[i] = x . mats[i] for `m` rows of `k` values (worksharing): x is quantized first when
- * any of the matrices is a block type. */
+ * any of the matrices is a block type. Rows from `prompt_from` on are a prompt's own: where the
+ * bfloat16 tile kernel takes every matrix (amx_bf16.c), it computes them, from xb. */
 static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, act_block *xq,
-                    float *const *outs, int phase) {
-    for (int i = 0; i < count; i++) {
+                    uint16_t *xb, int64_t prompt_from, float *const *outs, int phase) {
+    const int64_t split = xb != NULL && prompt_from < m && llorch_bf16_takes(mats, count) ? prompt_from : m;
+    for (int i = 0; i < count && split > 0; i++) {
         if (is_block_type(mats[i].type)) {
-            llorch_quantize_rows_ws(x, m, k, xq);
+            llorch_quantize_rows_ws(x, split, k, xq);
             break;
         }
     }
     PROFILE(PH_QUANTIZE);
-    llorch_matmul_group_ws(mats, count, x, xq, m, outs);
+    if (split > 0) llorch_matmul_group_ws(mats, count, x, xq, split, outs);
+    if (split < m) {
+        float *shifted[3];
+        for (int i = 0; i < count; i++) shifted[i] = outs[i] + split * mats[i].rows;
+        llorch_bf16_pack_ws(x + split * k, m - split, k, xb);
+        llorch_bf16_matmul_ws(mats, count, xb, m - split, shifted);
+    }
     PROFILE(phase);
     (void)phase;
 }
@@ -127,14 +135,18 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     float *parts = llorch_alloc(sizeof(float) * (size_t)(items * part_size));
     act_block *xq = llorch_alloc(sizeof(act_block) * (size_t)(R * widest / QK));
     float *rope_tables = llorch_alloc(sizeof(float) * (size_t)(4 * R * HD));
+    /* the prompt rows' activations as bfloat16 tiles, where a kernel reads them (amx_bf16.c) */
+    const int64_t prompt_rows = S->prompt_from < R ? R - S->prompt_from : 0;
+    const int64_t xb_values = prompt_rows > 0 ? llorch_bf16_acts_values(prompt_rows, widest) : 0;
+    uint16_t *xb = xb_values > 0 ? llorch_alloc(sizeof(uint16_t) * (size_t)xb_values) : NULL;
     float *all_scores = llorch_alloc(sizeof(float) * (size_t)(teams * group * ATTN_CHUNK));
     const int64_t spans = S->logit_rows_count * teams;
     float *best_max = llorch_alloc(sizeof(float) * (size_t)(spans > 0 ? spans : 1));
     int64_t *best_at = llorch_alloc(sizeof(int64_t) * (size_t)(spans > 0 ? spans : 1));
-    void *buffers[] = {x, h, q, k, v, attn, o, gate, up, parts, xq, rope_tables, all_scores, best_max, best_at};
+    void *buffers[] = {x, h, q, k, v, attn, o, gate, up, parts, xq, rope_tables, all_scores, best_max, best_at, xb};
     const int count = (int)(sizeof(buffers) / sizeof(buffers[0]));
-    int missing = 0;
-    for (int i = 0; i < count; i++) missing |= buffers[i] == NULL;
+    int missing = xb_values > 0 && xb == NULL;
+    for (int i = 0; i < count - 1; i++) missing |= buffers[i] == NULL;
     if (missing) {
         for (int i = 0; i < count; i++) free(buffers[i]);
         llorch_take_allocation_failure();
@@ -193,7 +205,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             PROFILE(PH_NORM);
             const matrix qkv[3] = {L->q, L->k, L->v};
             float *qkv_out[3] = {q, k, v};
-            project(qkv, 3, h, R, H, xq, qkv_out, PH_QKV);
+            project(qkv, 3, h, R, H, xq, xb, S->prompt_from, qkv_out, PH_QKV);
 
             /* biases, per-head norms, RoPE, and the new keys and values into the cache */
 #ifdef _OPENMP
@@ -260,7 +272,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             PROFILE(PH_COMBINE);
 
             /* output projection and the residual */
-            project(&L->o, 1, attn, R, NQ, xq, &o, PH_O);
+            project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -281,7 +293,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             /* the MLP */
             const matrix gate_up[2] = {L->gate, L->up};
             float *gate_up_out[2] = {gate, up};
-            project(gate_up, 2, h, R, H, xq, gate_up_out, PH_GATE_UP);
+            project(gate_up, 2, h, R, H, xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -298,7 +310,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 }
             }
             PROFILE(PH_ACTIVATION);
-            project(&L->down, 1, h, R, I, xq, &o, PH_DOWN);
+            project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -317,7 +329,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #endif
         for (int64_t i = 0; i < wanted; i++) rms_norm(x + S->logit_rows[i] * H, M->final_norm, H, M->eps, h + i * H);
         PROFILE(PH_NORM);
-        project(M->head, 1, h, wanted, H, xq, &S->logits, PH_HEAD);
+        project(M->head, 1, h, wanted, H, xq, NULL, wanted, &S->logits, PH_HEAD);
         if (M->logit_softcap != 0.0f) {
             const float cap = M->logit_softcap;
 #ifdef _OPENMP

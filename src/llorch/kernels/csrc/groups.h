@@ -69,6 +69,23 @@ static inline __m512i high_pair512(__m512i plane, int p) {
                                   : _mm512_srli_epi16(plane, 2);
     return _mm512_and_si512(placed, _mm512_set1_epi8(0x30));
 }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SUB 8 /* blocks of 32 values per unpacked span: a K-quant super-block */
+
+/* One span's weights in tile form (the int8 tile's B layout), and the float scales its sub-blocks are
+ * multiplied by: what the AMX kernels read (amx.c, amx_bf16.c). */
+typedef struct {
+    int8_t b[SUB][8][64] __attribute__((aligned(64))); /* [block][step][weight row x 4 values] */
+    __m512 scale[SUB], min[SUB];                        /* Q4_K sub-blocks; Q8_0 / Q5_0: scale = d */
+    __m512 iscale[SUB][2];                              /* Q6_K: each half's 8-bit scale (as a float) */
+    __m512 d, dmin;
+    int blocks;                                         /* blocks of 32 in this span (<= SUB) */
+} span;
+
+/* Super-block s of the groups at wa, wb (bytes of one group block each) into tile form (amx.c):
+ * signed values, the layout's offset taken out. */
+void llorch_amx_unpack_span(int type, const uint8_t *wa, const uint8_t *wb, int64_t s, int64_t blocks, span *out);
+#endif
 #endif
 
 #endif

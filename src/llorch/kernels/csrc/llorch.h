@@ -164,6 +164,7 @@ typedef struct {
     const int64_t *logit_rows;
     float *logits; /* [logit_rows_count, vocab] */
     int64_t *best; /* NULL, or [logit_rows_count]: each logits row's argmax as llorch_argmax_rows gives it */
+    int64_t prompt_from; /* rows from here on are tokens of their jobs' prompts (rows: none); see project() */
 } step_desc;
 
 /* Returns 0, or -1 when a buffer could not be allocated (the logits are then void). */
@@ -171,6 +172,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 
 /* Checked allocation (alloc.c): 64-byte aligned, NULL on failure, which is remembered until taken. */
 void *llorch_alloc(size_t bytes);
+/* *buffer (a thread's scratch, kept from call to call) grown to `bytes` or more; NULL when it could not grow. */
+void *llorch_grow(void **buffer, size_t *capacity, size_t bytes);
 int llorch_take_allocation_failure(void);
 /* Tests: the next `count` allocations fail. */
 void llorch_fail_allocations(int count);
@@ -232,6 +235,16 @@ void llorch_amx_pack_ws(const act_block *xq, int64_t tiles, int64_t blocks, cons
 void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, const amx_acts *x,
                        int64_t tiles, float *out, int64_t ldo, int *configured_k);
 
+/* AMX-BF16 (amx_bf16.c, the amx variant): a prompt's rows, weights and activations as bfloat16 with
+ * float32 sums (not the 8-bit kernels' bits; the decoder gives it a prompt's own rows only). Whether it
+ * takes every one of `mats` (interleaved types, tiles granted); how many uint16 values the packed
+ * activations of m rows of k take; those rows packed (inside a parallel region); and the product of
+ * the packed rows with each matrix into outs[i] ([m][rows of mats[i]]). */
+int llorch_bf16_takes(const matrix *mats, int count);
+int64_t llorch_bf16_acts_values(int64_t m, int64_t k);
+void llorch_bf16_pack_ws(const float *x, int64_t m, int64_t k, uint16_t *out);
+void llorch_bf16_matmul_ws(const matrix *mats, int count, const uint16_t *acts, int64_t m, float *const *outs);
+
 /* The direct kernels (direct.c): weight rows [j0, j1) of a common block type against up to
  * four activation rows, decoded in registers, into out[t * ldo + j]; 0 for other types.
  * `ahead`: the first pass over these weight rows, so ask memory for the bytes that follow them
@@ -260,6 +273,10 @@ void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out);
  * of a GGUF-typed matrix, on `threads` threads. */
 int llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, act_block *xq,
                   int64_t m, float *out, int threads);
+/* The same product as a prompt's rows get it in a step (llorch_bf16_matmul_ws); -2 where that kernel
+ * does not take the matrix (then out is untouched), -1 when a buffer could not be allocated. */
+int llorch_matmul_prompt(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *out,
+                         int threads);
 
 /* Inside a parallel region the caller opened (every thread calls them; worksharing loops). */
 void llorch_quantize_rows_ws(const float *x, int64_t m, int64_t k, act_block *out);

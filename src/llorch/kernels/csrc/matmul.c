@@ -226,3 +226,21 @@ int llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float 
     }
     return llorch_take_allocation_failure() ? -1 : 0;
 }
+
+int llorch_matmul_prompt(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *out,
+                         int threads) {
+    const matrix W = {type, 0, w, n, k};
+    if (!llorch_bf16_takes(&W, 1)) return -2;
+    uint16_t *acts = llorch_alloc(sizeof(uint16_t) * (size_t)llorch_bf16_acts_values(m, k));
+    if (acts == NULL) return llorch_take_allocation_failure(), -1;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+        llorch_bf16_pack_ws(x, m, k, acts);
+        llorch_bf16_matmul_ws(&W, 1, acts, m, &out);
+    }
+    free(acts);
+    return llorch_take_allocation_failure() ? -1 : 0;
+}
