@@ -189,8 +189,7 @@ void llorch_bf16_matmul_ws(const matrix *mats, int count, const uint16_t *acts, 
 #pragma omp for schedule(dynamic, 1)
 #endif
     for (int64_t u = 0; u < first_unit[count]; u++) {
-        int which = 0;
-        while (u >= first_unit[which + 1]) which++;
+        const int which = matrix_of(first_unit, u);
         const matrix *W = mats + which;
         unit(W, (u - first_unit[which]) * UNIT_GROUPS, W->rows / 8, acts, m, outs[which]);
     }

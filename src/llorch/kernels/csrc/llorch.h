@@ -128,6 +128,13 @@ typedef struct {
     int64_t rows, cols;
 } matrix;
 
+/* Which of a product's matrices work item u belongs to, where first[i] is matrix i's first item. */
+static inline int matrix_of(const int64_t *first, int64_t u) {
+    int which = 0;
+    while (u >= first[which + 1]) which++;
+    return which;
+}
+
 /* One decoder layer's weights and KV cache (see decoder.c). Absent parts are NULL. */
 typedef struct {
     matrix q, k, v, o, gate, up, down;

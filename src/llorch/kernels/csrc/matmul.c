@@ -139,8 +139,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
 #pragma omp for schedule(guided, 8)
 #endif
     for (int64_t c = 0; c < first_chunk[count]; c++) {
-        int which = 0;
-        while (c >= first_chunk[which + 1]) which++;
+        const int which = matrix_of(first_chunk, c);
         const matrix *W = mats + which;
         const int64_t row_bytes = llorch_row_bytes(W->type, k), n = W->rows;
         const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
