@@ -58,12 +58,16 @@ class StandInRunner:
         self.kv = StandInPool(num_blocks=8192)
         self.weight_bytes = 0
         self.resident_bytes = 0
+        self.prompt_kernel = False  # every row is a decoding row (no separate prompt kernel)
         generator = torch.Generator().manual_seed(0)
         self.bank = torch.randn(BANK_ROWS, vocab, generator=generator)
         for row in range(BANK_ROWS):  # peaked on ordinary tokens: the text stays real
             self.bank[row, token_ids[row % len(token_ids)]] += 12.0
         self.forward_seconds = 0.0
         self._step = 0
+
+    def best_of(self, logits: torch.Tensor) -> None:  # the C step's own argmax: not here, the sampler finds it
+        return None
 
     def forward(self, segments: list[Any]) -> torch.Tensor:
         started = time.perf_counter()

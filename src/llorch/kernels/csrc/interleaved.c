@@ -81,7 +81,13 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
 }
 
 /* Q4_K_R8, the groups at wa and wb (per super-block of 256):
- * d * sum_j dx_j * scale_j * dot_j - dmin * sum_j dx_j * min_j * xsum_j. */
+ * d * sum_j dx_j * scale_j * dot_j - dmin * sum_j dx_j * min_j * xsum_j.
+ * The high nibbles are dotted in place (byte & 0xf0, sixteen times the value: one operation fewer per
+ * step than a shift and a mask) and their sub-block's scale divided by 16. The integer dot stays exact
+ * (under 2^24) and a division by 16 is exact, so every product is the same real number: the same bits
+ * (unless the scale times dx falls below the normal floats, some 1e-38). Measured on one row (Q4_K
+ * 5632 x 2048 in cache, Zen 4, alternating in one process): one thread 40.1 -> 42.8 GB/s, two 42.8 ->
+ * 45.5; four and sixteen rows unchanged. */
 static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int64_t group_bytes, const uint8_t *wa,
                                                           const uint8_t *wb, const act_block *const *x, int tile,
                                                           float *out_a, float *out_b, int64_t ldo) {
@@ -100,7 +106,7 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
             for (int step = 0; step < 8; step++) {
                 const int64_t at = 128 + (8 * p + step) * 32;
                 const __m512i packed = two_steps(ga + at, gb + at);
-                const __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                const __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_andnot_si512(low, packed);
                 for (int t = 0; t < tile; t++) {
                     const act_block *first = x[t] + s * 8 + 2 * p;
                     even[t] = dot_broadcast(even[t], lo, first->q + 4 * step);
@@ -112,6 +118,7 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
                 scale[j] = q4_k_sub(unpacked, 0, 2 * p + j);
                 min[j] = q4_k_sub(unpacked, 2, 2 * p + j);
             }
+            scale[1] = _mm512_mul_ps(scale[1], _mm512_set1_ps(1.0f / 16));  /* odd's dots are 16 times theirs */
             for (int t = 0; t < tile; t++) {
                 const act_block *first = x[t] + s * 8 + 2 * p, *second = first + 1;
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even[t]),
