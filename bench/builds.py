@@ -1,0 +1,157 @@
+"""Two builds of llorch and llama.cpp decoding in turn, in one run: a kernel change's before and after.
+
+    python bench/builds.py --before REV [--after TREE] [--models 1b,3b] [--windows 40] [--threads N]
+
+The machine's read bandwidth moves by half within seconds (neighbours on the host), so decode
+rates taken minutes apart, or in separate runs, do not compare. Here each engine is its own
+process holding its own copy of the model: llorch at commit REV (a temporary git worktree,
+its kernels built from its own sources), llorch from TREE (default: this checkout, with its
+uncommitted changes), and llama.cpp through its Python bindings (llama_build.py). They decode
+one greedy stream after a one-token prompt (the weight-bound case), in windows of WINDOW tokens
+in turn, a read probe (speed.py's) between every two windows; each window is held to the mean
+of the probes on either side of it. Reported per engine: the median tokens/s and the median
+fraction of the roofline (the file's tensor bytes per token at the probed bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import models
+from speed import ReadProbe, cpu_flags
+
+WINDOW = 16  # decode tokens per window, as speed.py's roofline windows
+MODELS = {"default": models.default_model, "1b": models.billion_model, "3b": models.three_billion_model}
+HERE = Path(__file__).resolve().parent
+
+
+def serve(engine: str, model: str, window: int, windows: int, threads: int) -> None:
+    """An engine's side: load, say `ready`, then per line read decode `window` tokens and answer the seconds."""
+    import speed
+    from llorch.engine.runner import ChunkInput
+    from llorch.weights.native_loader import load_native
+
+    served = load_native(Path(model))
+    speed.wait_for_images()
+    first = speed.prompt_ids(served)[:1]
+    tokens = window * (windows + 1) + 16  # positions the whole run decodes
+    if engine == "llorch":
+        from llorch.kernels import build
+
+        build.set_threads(threads)
+        runner, blocks = speed.decode_runner(served, tokens)
+        state = {"token": speed.greedy_token(runner, ChunkInput(first, 0, blocks, True)), "position": 1}
+
+        def step() -> None:
+            chunk = ChunkInput([state["token"]], state["position"], blocks, True)
+            state["token"], state["position"] = speed.greedy_token(runner, chunk), state["position"] + 1
+    else:
+        import llama_build
+
+        served = None  # only its prompt id was needed
+        llm = llama_build.bindings().Llama(model_path=model, n_ctx=tokens, n_threads=threads,
+                                           n_threads_batch=threads, verbose=False)
+        llm.eval(first)
+        state = {"token": speed.llama_next_token(llm)}
+
+        def step() -> None:
+            llm.eval([state["token"]])
+            state["token"] = speed.llama_next_token(llm)
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        started = time.perf_counter()
+        for _ in range(window):
+            step()
+        print(time.perf_counter() - started, flush=True)
+    os._exit(0)  # llama-cpp-python's finalizers fail at interpreter exit; nothing is left to flush
+
+
+def start(engine: str, model: Path, tree: Path, args: argparse.Namespace) -> subprocess.Popen[str]:
+    """An engine's process; llorch's imports the package from `tree`'s sources."""
+    environment = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{HERE}"}
+    command = [sys.executable, str(HERE / "builds.py"), "--serve", engine, "--model", str(model),
+               "--threads", str(args.threads), "--windows", str(args.windows)]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment,
+                            cwd=str(HERE))
+
+
+def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> list[str]:
+    from gguf import GGUFReader
+
+    model = MODELS[label]()
+    file_bytes = sum(int(tensor.n_bytes) for tensor in GGUFReader(model).tensors)
+    engines = {name: start("llorch", model, tree, args) for name, tree in trees.items()}
+    engines["llama.cpp"] = start("llama.cpp", model, HERE.parent, args)
+    try:
+        for name, process in engines.items():
+            if process.stdout is None or process.stdout.readline().strip() != "ready":
+                return [f"{label}: {name} failed to load (its output is above)"]
+        probe = ReadProbe()
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        shares: dict[str, list[float]] = {name: [] for name in engines}
+        probes = [probe()]
+        for _ in range(args.windows):
+            for name, process in engines.items():
+                assert process.stdin is not None and process.stdout is not None
+                process.stdin.write("go\n")
+                process.stdin.flush()
+                rate = WINDOW / float(process.stdout.readline())
+                probes.append(probe())
+                rates[name].append(rate)
+                shares[name].append(rate * file_bytes / ((probes[-2] + probes[-1]) / 2))
+    finally:
+        for process in engines.values():
+            if process.stdin is not None:
+                process.stdin.close()
+            process.wait()
+    lines = [f"## {label}: {model.name}, {file_bytes / 1e6:.1f} MB of tensors; read bandwidth median "
+             f"{statistics.median(probes) / 1e9:.1f} ({min(probes) / 1e9:.1f}..{max(probes) / 1e9:.1f}) GB/s; "
+             f"{args.windows} windows of {WINDOW} tokens each", "", "| engine | decode tok/s | of the roofline |",
+             "|---|---|---|"]
+    for name in engines:
+        lines.append(f"| {name} | {statistics.median(rates[name]):.1f} ({min(rates[name]):.1f}.."
+                     f"{max(rates[name]):.1f}) | {statistics.median(shares[name]):.0%} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", help="the commit measured as before (a temporary worktree)")
+    parser.add_argument("--after", type=Path, default=HERE.parent, help="the tree measured as after")
+    parser.add_argument("--models", default="1b,3b")
+    parser.add_argument("--windows", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--serve", choices=("llorch", "llama.cpp"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads is None:
+        from llorch.host import physical_cores
+
+        args.threads = physical_cores()
+    if args.serve:
+        serve(args.serve, args.model, WINDOW, args.windows, args.threads)
+        return
+    if not args.before:
+        parser.error("--before REV is required")
+    with tempfile.TemporaryDirectory(prefix="llorch-before-") as scratch:
+        before = Path(scratch) / "tree"
+        subprocess.run(["git", "-C", str(HERE.parent), "worktree", "add", "--detach", "-q", str(before), args.before],
+                       check=True)
+        try:
+            print(f"threads {args.threads}; CPU flags: {cpu_flags()}", flush=True)
+            for label in args.models.split(","):
+                print("\n".join(["", *compare(label, {f"before ({args.before})": before,
+                                                      "after": args.after.resolve()}, args)]), flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force", str(before)], check=False)
+
+
+if __name__ == "__main__":
+    main()
