@@ -35,16 +35,16 @@ HERE = Path(__file__).resolve().parent
 def serve(engine: str, model: str, window: int, windows: int, threads: int) -> None:
     """An engine's side: load, say `ready`, then per line read decode `window` tokens and answer the seconds."""
     import speed
-    from llorch.engine.runner import ChunkInput
-    from llorch.weights.native_loader import load_native
 
-    served = load_native(Path(model))
-    speed.wait_for_images()
-    first = speed.prompt_ids(served)[:1]
     tokens = window * (windows + 1) + 16  # positions the whole run decodes
     if engine == "llorch":
+        from llorch.engine.runner import ChunkInput
         from llorch.kernels import build
+        from llorch.weights.native_loader import load_native
 
+        served = load_native(Path(model))
+        speed.wait_for_images()
+        first = speed.prompt_ids(served)[:1]  # BOS: a one-token prompt, the weight-bound case
         build.set_threads(threads)
         runner, blocks = speed.decode_runner(served, tokens)
         state = {"token": speed.greedy_token(runner, ChunkInput(first, 0, blocks, True)), "position": 1}
@@ -55,10 +55,9 @@ def serve(engine: str, model: str, window: int, windows: int, threads: int) -> N
     else:
         import llama_build
 
-        served = None  # only its prompt id was needed
         llm = llama_build.bindings().Llama(model_path=model, n_ctx=tokens, n_threads=threads,
                                            n_threads_batch=threads, verbose=False)
-        llm.eval(first)
+        llm.eval([llm.token_bos()])  # the same file's BOS: the prompt llorch's side decodes after
         state = {"token": speed.llama_next_token(llm)}
 
         def step() -> None:
