@@ -1,6 +1,6 @@
-"""Two builds of llorch and llama.cpp decoding in turn, in one run: a kernel change's before and after.
+"""Two builds of llorch and llama.cpp decoding in turn, in one run: a change's before and after.
 
-    python bench/builds.py --before REV [--after TREE] [--models 1b,3b] [--windows 40] [--threads N]
+    python bench/builds.py --before REV [--after TREE] [--models 1b,3b] [--windows 40] [--threads N] [--http]
 
 The machine's read bandwidth moves by half within seconds (neighbours on the host), so decode
 rates taken minutes apart, or in separate runs, do not compare. Here each engine is its own
@@ -11,6 +11,13 @@ one greedy stream after a one-token prompt (the weight-bound case), in windows o
 in turn, a read probe (speed.py's) between every two windows; each window is held to the mean
 of the probes on either side of it. Reported per engine: the median tokens/s and the median
 fraction of the roofline (the file's tensor bytes per token at the probed bandwidth).
+
+With --http the change is to the path from the step to the socket: both builds run as workers
+and llama.cpp as llama-server (speed.py's flags), and each streams one greedy request of WINDOW
+tokens after speed.py's 512-token prompt per window (the rate after its first token, as
+speed.py's HTTP rows); the after build also decodes in-process at the same positions in each
+turn, in its own process, and each HTTP window is held to the mean of the in-process windows on
+either side of it: HTTP's share of in-process decode, speed.py's HTTP row, for both builds.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import models
 from speed import ReadProbe, cpu_flags
@@ -37,6 +45,33 @@ def serve(engine: str, model: str, window: int, windows: int, threads: int) -> N
     import speed
 
     tokens = window * (windows + 1) + 16  # positions the whole run decodes
+    if engine == "llorch-prompt":  # --http's in-process side: every window at the same positions after the prompt
+        import json
+
+        from llorch.engine.runner import ChunkInput
+        from llorch.kernels import build
+        from llorch.weights.native_loader import load_native
+
+        served = load_native(Path(model))
+        speed.wait_for_images()
+        ids = speed.prompt_ids(served)
+        build.set_threads(threads)
+        runner, blocks = speed.decode_runner(served, len(ids) + window + 1)
+        first = speed.greedy_token(runner, ChunkInput(ids, 0, blocks, True))
+        state = {"token": first, "position": len(ids)}
+
+        def step() -> None:
+            chunk = ChunkInput([state["token"]], state["position"], blocks, True)
+            state["token"], state["position"] = speed.greedy_token(runner, chunk), state["position"] + 1
+
+        print("ready", json.dumps(served.tokenizer.decode(ids[1:])), flush=True)
+        for _ in sys.stdin:
+            state["token"], state["position"] = first, len(ids)
+            started = time.perf_counter()
+            for _ in range(window):
+                step()
+            print(time.perf_counter() - started, flush=True)
+        os._exit(0)
     if engine == "llorch":
         from llorch.engine.runner import ChunkInput
         from llorch.kernels import build
@@ -120,6 +155,78 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
     return lines
 
 
+def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -> list[str]:
+    import json
+
+    import llama_build
+    import streams
+    from launch import free_port, start_server, stop
+    from speed import (
+        PROMPT_TOKENS,
+        SERVER_CONTEXT,
+        llama_healthy,
+        llama_server_command,
+        llorch_healthy,
+        llorch_worker_command,
+    )
+
+    model = MODELS[label]()
+    alone = start("llorch-prompt", model, trees["after"], args)
+    servers: dict[str, Any] = {}
+    try:
+        assert alone.stdout is not None and alone.stdin is not None
+        ready, _, prompt_json = alone.stdout.readline().partition(" ")
+        if ready != "ready":
+            return [f"{label}: the in-process side failed to load (its output is above)"]
+        prompt = json.loads(prompt_json)
+
+        def decode_alone() -> float:
+            assert alone.stdin is not None and alone.stdout is not None
+            alone.stdin.write("go\n")
+            alone.stdin.flush()
+            return WINDOW / float(alone.stdout.readline())
+
+        for name, tree in trees.items():
+            port = free_port()
+            environment = {**os.environ, "PYTHONPATH": str(tree / "src")}
+            command = llorch_worker_command(args, model, port, 1, SERVER_CONTEXT)
+            servers[name] = start_server(command, f"http://127.0.0.1:{port}", llorch_healthy, env=environment)
+            streams.llorch(servers[name].base_url, prompt, 2)  # the prompt into the worker's prefix cache
+        port = free_port()
+        servers["llama-server"] = start_server(llama_server_command(args, model, port, 1, SERVER_CONTEXT),
+                                               f"http://127.0.0.1:{port}", llama_healthy,
+                                               env=llama_build.library_environment())
+        rates: dict[str, list[float]] = {name: [] for name in servers}
+        shares: dict[str, list[float]] = {name: [] for name in trees}
+        before = decode_alone()
+        inprocess = [before]
+        for _ in range(args.windows):
+            for name, server in servers.items():
+                if name == "llama-server":
+                    rate = streams.decode_rate(streams.llama_server(server.base_url, prompt, WINDOW + 1, True)[0])
+                else:
+                    rate = streams.decode_rate(streams.llorch(server.base_url, prompt, WINDOW + 1)[0])
+                after = decode_alone()
+                inprocess.append(after)
+                rates[name].append(rate)
+                if name in shares:
+                    shares[name].append(rate / ((before + after) / 2))
+                before = after
+    finally:
+        for server in servers.values():
+            stop(server)
+        if alone.stdin is not None:
+            alone.stdin.close()
+        alone.wait()
+    lines = [f"## {label}: {model.name}, over HTTP after a {PROMPT_TOKENS}-token prompt; {args.windows} windows of "
+             f"{WINDOW} tokens each; in-process decode (after) {statistics.median(inprocess):.1f} tok/s", "",
+             "| engine | decode over HTTP, tok/s | of in-process decode |", "|---|---|---|"]
+    for name, values in rates.items():
+        share = f"{statistics.median(shares[name]):.3f}" if name in shares else ""
+        lines.append(f"| {name} | {statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f}) | {share} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="the commit measured as before (a temporary worktree)")
@@ -127,7 +234,8 @@ def main() -> None:
     parser.add_argument("--models", default="1b,3b")
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--serve", choices=("llorch", "llama.cpp"), help=argparse.SUPPRESS)
+    parser.add_argument("--http", action="store_true", help="the builds as workers, llama.cpp as llama-server")
+    parser.add_argument("--serve", choices=("llorch", "llorch-prompt", "llama.cpp"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is None:
@@ -146,8 +254,8 @@ def main() -> None:
         try:
             print(f"threads {args.threads}; CPU flags: {cpu_flags()}", flush=True)
             for label in args.models.split(","):
-                print("\n".join(["", *compare(label, {f"before ({args.before})": before,
-                                                      "after": args.after.resolve()}, args)]), flush=True)
+                trees = {f"before ({args.before})": before, "after": args.after.resolve()}
+                print("\n".join(["", *(compare_http if args.http else compare)(label, trees, args)]), flush=True)
         finally:
             subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force", str(before)], check=False)
 

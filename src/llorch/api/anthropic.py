@@ -28,6 +28,7 @@ from llorch.api.errors import ANTHROPIC_ERROR_SCHEMA, RETRY, AnthropicError, err
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, tool_constraint, unless_disconnected
 from llorch.api.jobs import JobStream
 from llorch.api.json_answer import json_answer
+from llorch.api.socket_body import socket_body
 from llorch.api.state import WorkerState
 from llorch.api.streaming import SSE, sse
 from llorch.api.tool_calls import ToolFormat
@@ -35,7 +36,7 @@ from llorch.api.turn import Piece, Turn
 from llorch.api.violations import one_message
 from llorch.engine.engine import Engine
 from llorch.engine.errors import DuplicateJob, EngineRefusal, QueueFull, RequestRejected
-from llorch.engine.request import End, Error, ErrorCode, GenerationRequest, PreparedJob, StopReason, TokenText
+from llorch.engine.request import End, Error, ErrorCode, Event, GenerationRequest, PreparedJob, StopReason, TokenText
 
 Body = TypeVar("Body", bound=BaseModel)
 OPENAPI_MODELS: tuple[type[BaseModel], ...] = (MessagesRequest, CountTokensRequest)
@@ -155,6 +156,7 @@ async def answer(http: Request, engine: Engine, body: MessagesRequest) -> JSONRe
     head = {"id": message_id, "type": "message", "role": "assistant", "model": engine.model_id}
     input_tokens = len(prepared.prompt_ids)
     if body.stream:
+        stream.write_directly(lambda event: event_frames(stream, builder, event) or None, socket_body(http))
         return StreamingResponse(stream_events(stream, builder, head, input_tokens), media_type=SSE,
                                  headers=SSE_HEADERS)
     ended: list[End] = []
@@ -178,26 +180,31 @@ async def answer(http: Request, engine: Engine, body: MessagesRequest) -> JSONRe
                                       "usage": {"input_tokens": input_tokens, "output_tokens": end.tokens_out}})
 
 
+def event_frames(stream: JobStream, builder: Blocks, event: Event) -> bytes:
+    """One job event's server-sent events, for the event loop and the engine thread alike (jobs.py)."""
+    out: list[bytes] = []
+    if isinstance(event, TokenText):
+        out.extend(sse(payload, name) for name, payload in builder.feed(event.t))
+        if builder.finished:  # the rest would be discarded
+            stream.engine.cancel(stream.job_id)
+    elif isinstance(event, End):
+        out.extend(sse(payload, name) for name, payload in builder.finish())
+        out.append(sse({"type": "message_delta", "delta": builder.stop(event),
+                        "usage": {"output_tokens": event.tokens_out}}, "message_delta"))
+        out.append(sse({"type": "message_stop"}, "message_stop"))
+    elif isinstance(event, Error):
+        out.append(sse(job_error(event).body(), "error"))
+    return b"".join(out)
+
+
 async def stream_events(stream: JobStream, builder: Blocks, head: dict[str, Any], input_tokens: int
                         ) -> AsyncIterator[bytes]:
     start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
-    yield sse({"type": "message_start", "message": start}, "message_start")
-    yield sse({"type": "ping"}, "ping")
-    async for event in stream.events():
-        if isinstance(event, TokenText):
-            for name, payload in builder.feed(event.t):
-                yield sse(payload, name)
-            if builder.finished:  # the rest would be discarded
-                stream.engine.cancel(stream.job_id)
-        elif isinstance(event, End):
-            for name, payload in builder.finish():
-                yield sse(payload, name)
-            yield sse({"type": "message_delta", "delta": builder.stop(event),
-                       "usage": {"output_tokens": event.tokens_out}}, "message_delta")
-            yield sse({"type": "message_stop"}, "message_stop")
-        elif isinstance(event, Error):
-            yield sse(job_error(event).body(), "error")
+    yield sse({"type": "message_start", "message": start}, "message_start") + sse({"type": "ping"}, "ping")
+    async for event in stream.events():  # asked for once the last event's bytes are sent
+        if data := event_frames(stream, builder, event):
+            yield data
 
 
 StreamEvent = tuple[str, dict[str, Any]]

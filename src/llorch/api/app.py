@@ -43,11 +43,13 @@ from llorch.api.openai import create_openai_router
 from llorch.api.page import create_page_router
 from llorch.api.pooling import create_pooling_router
 from llorch.api.responses import create_responses_router
+from llorch.api.socket_body import socket_body
 from llorch.api.state import WorkerState
 from llorch.api.streaming import NDJSON, SSE, frame, negotiate
 from llorch.api.tokenizer_routes import create_tokenizer_router
 from llorch.api.worker_schemas import CancelRequest, ExecuteRequest, field_errors
 from llorch.engine.errors import EngineRefusal
+from llorch.engine.request import Event
 
 # The events of the worker API contract; others (per-token logprobs) serve the OpenAI API.
 WORKER_EVENT_TYPES = frozenset({"started", "token", "metrics", "end", "error"})
@@ -129,6 +131,11 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
             parsed = ExecuteRequest.model_validate(await read_json(request))
         except ValidationError as exc:
             return rejected(worker_errors(400, field_errors(exc)), "rejected_invalid")
+        media_type = negotiate(request.headers.get("accept"))
+
+        def framed(event: Event) -> bytes | None:
+            return frame(media_type, event.to_dict()) if event.type in WORKER_EVENT_TYPES else None
+
         try:
             job = await run_in_threadpool(engine.prepare, parsed.to_generation_request())
             job_stream = JobStream(engine, job)
@@ -136,12 +143,13 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
             response = worker_refusal(exc)
             outcome = {400: "rejected_invalid", 409: "rejected_duplicate"}.get(response.status_code, "rejected_busy")
             return rejected(response, outcome)
-        media_type = negotiate(request.headers.get("accept"))
+        job_stream.write_directly(framed, socket_body(request))
 
-        async def stream() -> AsyncIterator[bytes]:
+        async def stream() -> AsyncIterator[bytes]:  # asks for an event only once the last one's bytes are sent
             async for event in job_stream.events():
-                if event.type in WORKER_EVENT_TYPES:
-                    yield frame(media_type, event.to_dict())
+                data = framed(event)
+                if data is not None:
+                    yield data
 
         return StreamingResponse(stream(), media_type=media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -40,6 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llorch.api.auth import OPEN_PATHS
 from llorch.api.errors import RETRY, error_for_path
+from llorch.api.socket_body import EXTENSION, SocketBody
 
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0  # a 1 MiB body at 35 KB/s
@@ -94,6 +95,14 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._watch_reading()
+
+    def handle_events(self) -> None:
+        """uvicorn's, then each new request's scope offers the engine thread a direct path to the socket."""
+        super().handle_events()
+        scope = getattr(self, "scope", None)
+        if scope is not None and EXTENSION not in scope.setdefault("extensions", {}):
+            chunked = scope["http_version"] == "1.1" and scope["method"] != "HEAD"
+            scope["extensions"][EXTENSION] = SocketBody(self.transport, chunked)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

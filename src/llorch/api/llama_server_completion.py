@@ -25,6 +25,7 @@ from llorch.api.generation import CLIENT_CLOSED_REQUEST, unless_disconnected
 from llorch.api.jobs import JobStream
 from llorch.api.json_answer import json_answer
 from llorch.api.llama_server_completion_schemas import LlamaCompletionRequest
+from llorch.api.socket_body import socket_body
 from llorch.api.streaming import sse
 from llorch.api.tokenizer_routes import tokenize_parts
 from llorch.engine.engine import Engine
@@ -184,7 +185,9 @@ async def complete(http: Request, engine: Engine, body: LlamaCompletionRequest) 
     gen = Generation(len(job.prompt_ids), frozenset(engine.tokens.eos_token_ids))
     shape = Shape(body, engine, body.settings(seed, engine.ctx_size, engine.model_id), prompt)
     if body.stream:
-        return StreamingResponse(chunks(stream, gen, shape), media_type="text/event-stream",
+        framer = Chunks(gen, shape)
+        stream.write_directly(lambda event: framer.event(event) or None, socket_body(http))
+        return StreamingResponse(chunks(stream, framer), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def collect() -> None:
@@ -198,18 +201,31 @@ async def complete(http: Request, engine: Engine, body: LlamaCompletionRequest) 
     return await json_answer(lambda: shape.final(gen, streamed=False))
 
 
-async def chunks(stream: JobStream, gen: Generation, shape: Shape) -> AsyncIterator[bytes]:
+class Chunks:
     """A chunk per piece of text with the tokens and probabilities that came since the last one, then the
-    final object. A client that goes away cancels the job (JobStream)."""
-    sent_tokens = sent_probs = 0
-    async for event in stream.events():
+    final object: one job event's bytes at a time, for the event loop and the engine thread alike (jobs.py)."""
+
+    def __init__(self, gen: Generation, shape: Shape) -> None:
+        self.gen, self.shape = gen, shape
+        self.sent_tokens = self.sent_probs = 0
+
+    def event(self, event: Event) -> bytes:
+        gen = self.gen
         if isinstance(event, Error):
-            yield sse(job_error(event).body())
-            return
+            return sse(job_error(event).body())
         text = gen.absorb(event)
-        unsent = len(gen.tokens) > sent_tokens or len(gen.probs) > sent_probs
+        out = []
+        unsent = len(gen.tokens) > self.sent_tokens or len(gen.probs) > self.sent_probs
         if isinstance(event, TokenText) or (isinstance(event, End) and unsent):
-            yield sse(shape.partial(gen, text, gen.tokens[sent_tokens:], gen.probs[sent_probs:]))
-            sent_tokens, sent_probs = len(gen.tokens), len(gen.probs)
+            out.append(sse(self.shape.partial(gen, text, gen.tokens[self.sent_tokens:], gen.probs[self.sent_probs:])))
+            self.sent_tokens, self.sent_probs = len(gen.tokens), len(gen.probs)
         if isinstance(event, End):
-            yield sse(shape.final(gen, streamed=True))
+            out.append(sse(self.shape.final(gen, streamed=True)))
+        return b"".join(out)
+
+
+async def chunks(stream: JobStream, framer: Chunks) -> AsyncIterator[bytes]:
+    """The chunks over the event loop. A client that goes away cancels the job (JobStream)."""
+    async for event in stream.events():  # asked for once the last event's bytes are sent
+        if data := framer.event(event):
+            yield data

@@ -26,6 +26,7 @@ from llorch.api.jobs import JobStream
 from llorch.api.json_answer import json_answer
 from llorch.api.ollama_errors import job_error, refusal
 from llorch.api.ollama_schemas import GenerationBody
+from llorch.api.socket_body import socket_body
 from llorch.api.streaming import NDJSON
 from llorch.api.tool_calls import ToolFormat
 from llorch.api.turn import Piece, Turn
@@ -158,7 +159,9 @@ async def answer(http: Request, engine: Engine, request: GenerationRequest, body
     reply = Reply(Turn.for_chat(engine, job, tool_format) if templated else Turn())
     prompt_tokens = len(job.prompt_ids)
     if body.stream:
-        return StreamingResponse(stream_lines(stream, reply, clock, shape, prompt_tokens), media_type=NDJSON,
+        lines = Lines(stream, reply, clock, shape, prompt_tokens)
+        stream.write_directly(lambda event: lines.event(event) or None, socket_body(http))
+        return StreamingResponse(stream_lines(stream, lines), media_type=NDJSON,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     collected: list[TokenLogprob] = []
     ended: list[End] = []
@@ -184,27 +187,40 @@ async def answer(http: Request, engine: Engine, request: GenerationRequest, body
                                       **clock.stats(prompt_tokens, ended[0], reply.turn.finished)})
 
 
-async def stream_lines(stream: JobStream, reply: Reply, clock: Clock, shape: Shape,
-                       prompt_tokens: int) -> AsyncIterator[bytes]:
-    pending: list[TokenLogprob] = []  # log-probabilities wait for the text they belong to
-    async for event in stream.events():
-        clock.mark(event)
+class Lines:
+    """The streamed answer's JSON lines, one job event's at a time, for the event loop and the engine thread
+    alike (jobs.py)."""
+
+    def __init__(self, stream: JobStream, reply: Reply, clock: Clock, shape: Shape, prompt_tokens: int) -> None:
+        self.stream, self.reply, self.clock, self.shape, self.prompt_tokens = stream, reply, clock, shape, prompt_tokens
+        self.pending: list[TokenLogprob] = []  # log-probabilities wait for the text they belong to
+
+    def event(self, event: Event) -> bytes:
+        reply, shape = self.reply, self.shape
+        self.clock.mark(event)
+        out = []
         if isinstance(event, Error):
-            yield ndjson({"error": job_error(event).message})
-            return
-        if isinstance(event, TokenLogprob):
-            pending.append(event)
+            out.append(ndjson({"error": job_error(event).message}))
+        elif isinstance(event, TokenLogprob):
+            self.pending.append(event)
         elif isinstance(event, TokenText):
             piece = reply.feed(event.t)
             if reply.turn.finished:  # a repeated call ended the turn
-                stream.engine.cancel(stream.job_id)
+                self.stream.engine.cancel(self.stream.job_id)
             if piece:
-                yield ndjson(shape.body(piece, pending, done=False))
-                pending = []
+                out.append(ndjson(shape.body(piece, self.pending, done=False)))
+                self.pending = []
         elif isinstance(event, End):
             piece = reply.finish()
             if piece:
-                yield ndjson(shape.body(piece, pending, done=False))
-                pending = []
-            stats = clock.stats(prompt_tokens, event, reply.turn.finished)
-            yield ndjson({**shape.body(Piece(), pending, done=True), **stats})
+                out.append(ndjson(shape.body(piece, self.pending, done=False)))
+                self.pending = []
+            stats = self.clock.stats(self.prompt_tokens, event, reply.turn.finished)
+            out.append(ndjson({**shape.body(Piece(), self.pending, done=True), **stats}))
+        return b"".join(out)
+
+
+async def stream_lines(stream: JobStream, lines: Lines) -> AsyncIterator[bytes]:
+    async for event in stream.events():  # asked for once the last event's bytes are sent
+        if data := lines.event(event):
+            yield data

@@ -34,12 +34,22 @@ from llorch.api.openai_choices import (
     tool_call_deltas,
     usage,
 )
+from llorch.api.socket_body import socket_body
 from llorch.api.streaming import sse
 from llorch.api.tool_calls import ToolFormat
 from llorch.api.turn import Piece, Turn
 from llorch.engine.engine import Engine
 from llorch.engine.errors import EngineRefusal
-from llorch.engine.request import End, Error, GenerationRequest, PreparedJob, PromptLogprobs, TokenLogprob, TokenText
+from llorch.engine.request import (
+    End,
+    Error,
+    Event,
+    GenerationRequest,
+    PreparedJob,
+    PromptLogprobs,
+    TokenLogprob,
+    TokenText,
+)
 
 
 def echo_start(engine: Engine, job: PreparedJob) -> tuple[str, list[LogprobEntry]]:
@@ -83,8 +93,11 @@ async def generate(http: Request, engine: Engine, body: Any, requests: list[Gene
             choices.append(Choice(len(choices), logprobs=list(first), echo=text,
                                   turn=Turn.for_chat(engine, job, tool_format) if chat else None))
     if body.stream:
-        return StreamingResponse(stream_chunks(engine, streams, choices, shape, body.include_usage, prompt_tokens),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        frames = ChunkFrames(engine, streams, choices, shape, body.include_usage, prompt_tokens)
+        if len(streams) == 1:  # several are merged, read ahead of what is sent: only the loop writes those
+            streams[0].write_directly(lambda event: frames.event(0, event) or None, socket_body(http))
+        return StreamingResponse(stream_chunks(frames, streams), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
     if not await unless_disconnected(http, asyncio.ensure_future(collect(engine, streams, choices))):
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; the jobs are cancelled
     for choice in choices:
@@ -117,39 +130,61 @@ def split_turn(engine: Engine, stream: JobStream, choice: Choice, text: str, end
     return piece
 
 
-async def stream_chunks(engine: Engine, streams: list[JobStream], choices: list[Choice], shape: ResponseShape,
-                        include_usage: bool, prompt_tokens: int) -> AsyncIterator[bytes]:
-    for choice in choices:
-        first = shape.first_chunk(choice.index)
-        if first:
-            yield sse(first)
-    async for index, event in merged(streams):
-        choice = choices[index]
+class ChunkFrames:
+    """A streamed answer's chunks, event by event, as bytes: the same for the event loop and for the engine
+    thread writing them itself (jobs.py). `failed` once an error event has been framed: the stream ends."""
+
+    def __init__(self, engine: Engine, streams: list[JobStream], choices: list[Choice], shape: ResponseShape,
+                 include_usage: bool, prompt_tokens: int) -> None:
+        self.engine, self.streams, self.choices, self.shape = engine, streams, choices, shape
+        self.include_usage, self.prompt_tokens = include_usage, prompt_tokens
+        self.failed = False
+
+    def head(self) -> bytes:
+        return b"".join(sse(first) for choice in self.choices if (first := self.shape.first_chunk(choice.index)))
+
+    def event(self, index: int, event: Event) -> bytes:
+        shape, choice, out = self.shape, self.choices[index], []
         if isinstance(event, Error):
-            yield sse(openai_job_error(event).body())
-            break
+            self.failed = True
+            return sse(openai_job_error(event).body())
         if choice.echo is not None and isinstance(event, TokenText | TokenLogprob | End):
             # The prompt is read: its text and log-probabilities go first, in a chunk of their own.
-            yield sse(shape.chunk(choice, choice.take_echo(), choice.unsent_logprobs()))
+            out.append(sse(shape.chunk(choice, choice.take_echo(), choice.unsent_logprobs())))
         text = absorb(choice, event, keep_text=choice.turn is None)
         if isinstance(event, PromptLogprobs):
-            continue
+            return b"".join(out)
         calls: list[dict[str, Any]] = []
         reasoning = ""
+        first = len(choice.tool_calls)
         if choice.turn is not None and (text or isinstance(event, End)):
-            first = len(choice.tool_calls)
-            piece = split_turn(engine, streams[index], choice, text, isinstance(event, End))
+            piece = split_turn(self.engine, self.streams[index], choice, text, isinstance(event, End))
             text, calls, reasoning = piece.content, piece.calls, piece.reasoning
         if reasoning:
-            yield sse(shape.reasoning_chunk(index, reasoning))
+            out.append(sse(shape.reasoning_chunk(index, reasoning)))
         if text or len(choice.logprobs) > choice.streamed_logprobs:
-            yield sse(shape.chunk(choice, text, choice.unsent_logprobs()))
+            out.append(sse(shape.chunk(choice, text, choice.unsent_logprobs())))
         for offset, call in enumerate(calls):  # each call: its id and name, then its arguments
-            for delta in tool_call_deltas(first + offset, call):
-                yield sse(shape.tool_chunk(index, delta))
+            out.extend(sse(shape.tool_chunk(index, delta)) for delta in tool_call_deltas(first + offset, call))
         if isinstance(event, End):
-            yield sse(shape.chunk(choice, "", choice.unsent_logprobs(), shape.finish(choice)))
-    else:
-        if include_usage:
-            yield sse({**shape.envelope(), "choices": [], "usage": usage(prompt_tokens, choices)})
-    yield b"data: [DONE]\n\n"
+            out.append(sse(shape.chunk(choice, "", choice.unsent_logprobs(), shape.finish(choice))))
+        return b"".join(out)
+
+    def tail(self) -> bytes:
+        usage_chunk = b""
+        if self.include_usage and not self.failed:
+            usage_chunk = sse({**self.shape.envelope(), "choices": [],
+                               "usage": usage(self.prompt_tokens, self.choices)})
+        return usage_chunk + b"data: [DONE]\n\n"
+
+
+async def stream_chunks(frames: ChunkFrames, streams: list[JobStream]) -> AsyncIterator[bytes]:
+    """The chunks over the event loop, an event's at a time (asked for once the last one's are sent)."""
+    if head := frames.head():
+        yield head
+    async for index, event in merged(streams):
+        if data := frames.event(index, event):
+            yield data
+        if frames.failed:
+            break
+    yield frames.tail()

@@ -28,12 +28,13 @@ from llorch.api.response_store import ResponseStore
 from llorch.api.responses_items import INPUT_ITEMS, FunctionCallItem, FunctionCallOutputItem, MessageItem
 from llorch.api.responses_output import OutputBuilder, new_id, skeleton
 from llorch.api.responses_schemas import ResponseRequest
+from llorch.api.socket_body import socket_body
 from llorch.api.state import WorkerState
 from llorch.api.streaming import sse
 from llorch.api.turn import Turn
 from llorch.engine.engine import Engine
 from llorch.engine.errors import EngineRefusal
-from llorch.engine.request import End, Error, GenerationRequest
+from llorch.engine.request import End, Error, Event, GenerationRequest
 
 OPENAPI_MODELS: tuple[type[BaseModel], ...] = (ResponseRequest,)
 
@@ -168,22 +169,24 @@ async def respond(http: Request, engine: Engine, body: ResponseRequest, history:
             store.put(builder.response, conversation)
 
     if body.stream:
-        async def events() -> Any:
-            for event in builder.started():
-                yield sse(event, event["type"])
-            async for job_event in stream.events():
-                if isinstance(job_event, Error):
-                    for event in builder.failed(job_event):
-                        yield sse(event, event["type"])
-                    return
-                events_now = builder.feed(job_event)
-                if builder.turn.finished and not isinstance(job_event, End):  # a repeated call ended the turn
-                    engine.cancel(stream.job_id)
-                if isinstance(job_event, End):
-                    keep()  # stored before the client hears it is done: a GET right after finds it
-                for event in events_now:
-                    yield sse(event, event["type"])
+        def frames(job_event: Event) -> bytes:
+            """One job event's stream events, for the event loop and the engine thread alike (jobs.py)."""
+            if isinstance(job_event, Error):
+                return b"".join(sse(event, event["type"]) for event in builder.failed(job_event))
+            events_now = builder.feed(job_event)
+            if builder.turn.finished and not isinstance(job_event, End):  # a repeated call ended the turn
+                engine.cancel(stream.job_id)
+            if isinstance(job_event, End):
+                keep()  # stored before the client hears it is done: a GET right after finds it
+            return b"".join(sse(event, event["type"]) for event in events_now)
 
+        async def events() -> Any:
+            yield b"".join(sse(event, event["type"]) for event in builder.started())
+            async for job_event in stream.events():  # asked for once the last event's bytes are sent
+                if data := frames(job_event):
+                    yield data
+
+        stream.write_directly(lambda job_event: frames(job_event) or None, socket_body(http))
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
