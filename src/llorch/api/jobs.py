@@ -104,6 +104,7 @@ class JobStream:
         if self._socket_body is None or self._framer is None:
             return
         with self._lock:
-            # Emitted and taken (not the queue's length): an event on its way to the queue is in neither.
+            # Emitted against taken, not the queue's length: an event on its way to the queue (call_soon_threadsafe)
+            # is counted as emitted already, and must be sent before anything the engine writes.
             if not self._direct and self._emitted == self._taken and self._socket_body.open():
                 self._direct = True
