@@ -13,8 +13,8 @@ of the probes on either side of it. Reported per engine: the median tokens/s and
 fraction of the roofline (the file's tensor bytes per token at the probed bandwidth).
 
 With --http the change is to the path from the step to the socket: both builds run as workers
-and llama.cpp as llama-server (speed.py's flags), and each streams one greedy request of WINDOW
-tokens after speed.py's 512-token prompt per window (the rate after its first token, as
+and llama.cpp as llama-server (speed.py's flags), and each streams one greedy request of
+HTTP_WINDOW tokens after speed.py's 512-token prompt per window (the rate after its first token, as
 speed.py's HTTP rows); the after build also decodes in-process at the same positions in each
 turn, in its own process, and each HTTP window is held to the mean of the in-process windows on
 either side of it: HTTP's share of in-process decode, speed.py's HTTP row, for both builds.
@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import models
-from speed import ReadProbe, cpu_flags
+from speed import SHARE_WINDOW, ReadProbe, cpu_flags
 
 WINDOW = 16  # decode tokens per window, as speed.py's roofline windows
+HTTP_WINDOW = SHARE_WINDOW  # tokens per streamed request with --http, as speed.py's HTTP share
 MODELS = {"default": models.default_model, "1b": models.billion_model, "3b": models.three_billion_model}
 HERE = Path(__file__).resolve().parent
 
@@ -184,7 +185,7 @@ def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -
             assert alone.stdin is not None and alone.stdout is not None
             alone.stdin.write("go\n")
             alone.stdin.flush()
-            return WINDOW / float(alone.stdout.readline())
+            return HTTP_WINDOW / float(alone.stdout.readline())
 
         for name, tree in trees.items():
             port = free_port()
@@ -203,9 +204,9 @@ def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -
         for _ in range(args.windows):
             for name, server in servers.items():
                 if name == "llama-server":
-                    rate = streams.decode_rate(streams.llama_server(server.base_url, prompt, WINDOW + 1, True)[0])
+                    rate = streams.decode_rate(streams.llama_server(server.base_url, prompt, HTTP_WINDOW + 1, True)[0])
                 else:
-                    rate = streams.decode_rate(streams.llorch(server.base_url, prompt, WINDOW + 1)[0])
+                    rate = streams.decode_rate(streams.llorch(server.base_url, prompt, HTTP_WINDOW + 1)[0])
                 after = decode_alone()
                 inprocess.append(after)
                 rates[name].append(rate)
@@ -219,7 +220,7 @@ def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -
             alone.stdin.close()
         alone.wait()
     lines = [f"## {label}: {model.name}, over HTTP after a {PROMPT_TOKENS}-token prompt; {args.windows} windows of "
-             f"{WINDOW} tokens each; in-process decode (after) {statistics.median(inprocess):.1f} tok/s", "",
+             f"{HTTP_WINDOW} tokens each; in-process decode (after) {statistics.median(inprocess):.1f} tok/s", "",
              "| engine | decode over HTTP, tok/s | of in-process decode |", "|---|---|---|"]
     for name, values in rates.items():
         share = f"{statistics.median(shares[name]):.3f}" if name in shares else ""
@@ -243,7 +244,8 @@ def main() -> None:
 
         args.threads = physical_cores()
     if args.serve:
-        serve(args.serve, args.model, WINDOW, args.windows, args.threads)
+        window = HTTP_WINDOW if args.serve == "llorch-prompt" else WINDOW
+        serve(args.serve, args.model, window, args.windows, args.threads)
         return
     if not args.before:
         parser.error("--before REV is required")

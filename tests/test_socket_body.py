@@ -212,3 +212,20 @@ def test_a_client_that_goes_away_mid_stream_cancels_its_job(
     connection.close()
     assert engine.cancelled.wait(10)
     assert engine.done.wait(10) and len(engine.backlogs) < 100_000
+
+
+def test_an_http_1_0_client_is_answered_through_the_event_loop(
+        server: tuple[Served, int], direct_writes: list[int]) -> None:
+    """HTTP/1.0 has no chunks: its answer ends when the connection closes, as the loop frames it."""
+    served, port = server
+    events = script(50, str)
+    served.engine = ScriptedEngine(events, pause_s=0.002)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+        client.sendall(b"POST /execute HTTP/1.0\r\naccept: application/x-ndjson\r\ncontent-length: 2\r\n\r\n{}")
+        data = bytearray()
+        while chunk := client.recv(1 << 16):
+            data += chunk
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower()
+    assert events_of(iter(body.splitlines())) == expected(events)
+    assert direct_writes == []
