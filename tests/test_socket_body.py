@@ -74,16 +74,8 @@ class Served:
         assert self.engine is not None
         stream = JobStream(self.engine, SimpleNamespace(request=SimpleNamespace(job_id="job")))  # type: ignore[arg-type]
 
-        def framed(event: Event) -> bytes:
-            return frame(NDJSON, event.to_dict())
-
-        stream.write_directly(framed, socket_body(request))
-
-        async def body() -> Any:
-            async for event in stream.events():
-                yield framed(event)
-
-        return StreamingResponse(body(), media_type=NDJSON)
+        return StreamingResponse(stream.frames(lambda event: frame(NDJSON, event.to_dict()), socket_body(request)),
+                                 media_type=NDJSON)
 
 
 @pytest.fixture(scope="module")

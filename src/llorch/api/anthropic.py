@@ -28,7 +28,7 @@ from llorch.api.errors import ANTHROPIC_ERROR_SCHEMA, RETRY, AnthropicError, err
 from llorch.api.generation import CLIENT_CLOSED_REQUEST, tool_constraint, unless_disconnected
 from llorch.api.jobs import JobStream
 from llorch.api.json_answer import json_answer
-from llorch.api.socket_body import socket_body
+from llorch.api.socket_body import SocketBody, socket_body
 from llorch.api.state import WorkerState
 from llorch.api.streaming import SSE, sse
 from llorch.api.tool_calls import ToolFormat
@@ -156,9 +156,8 @@ async def answer(http: Request, engine: Engine, body: MessagesRequest) -> JSONRe
     head = {"id": message_id, "type": "message", "role": "assistant", "model": engine.model_id}
     input_tokens = len(prepared.prompt_ids)
     if body.stream:
-        stream.write_directly(lambda event: event_frames(stream, builder, event) or None, socket_body(http))
-        return StreamingResponse(stream_events(stream, builder, head, input_tokens), media_type=SSE,
-                                 headers=SSE_HEADERS)
+        return StreamingResponse(stream_events(stream, builder, head, input_tokens, socket_body(http)),
+                                 media_type=SSE, headers=SSE_HEADERS)
     ended: list[End] = []
 
     async def collect() -> None:
@@ -197,14 +196,13 @@ def event_frames(stream: JobStream, builder: Blocks, event: Event) -> bytes:
     return b"".join(out)
 
 
-async def stream_events(stream: JobStream, builder: Blocks, head: dict[str, Any], input_tokens: int
-                        ) -> AsyncIterator[bytes]:
+async def stream_events(stream: JobStream, builder: Blocks, head: dict[str, Any], input_tokens: int,
+                        direct: SocketBody | None) -> AsyncIterator[bytes]:
     start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
     yield sse({"type": "message_start", "message": start}, "message_start") + sse({"type": "ping"}, "ping")
-    async for event in stream.events():  # asked for once the last event's bytes are sent
-        if data := event_frames(stream, builder, event):
-            yield data
+    async for data in stream.frames(lambda event: event_frames(stream, builder, event), direct):
+        yield data
 
 
 StreamEvent = tuple[str, dict[str, Any]]

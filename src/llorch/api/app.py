@@ -10,7 +10,6 @@ sends back.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -133,8 +132,8 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
             return rejected(worker_errors(400, field_errors(exc)), "rejected_invalid")
         media_type = negotiate(request.headers.get("accept"))
 
-        def framed(event: Event) -> bytes | None:
-            return frame(media_type, event.to_dict()) if event.type in WORKER_EVENT_TYPES else None
+        def framed(event: Event) -> bytes:
+            return frame(media_type, event.to_dict()) if event.type in WORKER_EVENT_TYPES else b""
 
         try:
             job = await run_in_threadpool(engine.prepare, parsed.to_generation_request())
@@ -143,15 +142,7 @@ def create_app(state: WorkerState, api_key: str | None = None, cors_origins: lis
             response = worker_refusal(exc)
             outcome = {400: "rejected_invalid", 409: "rejected_duplicate"}.get(response.status_code, "rejected_busy")
             return rejected(response, outcome)
-        job_stream.write_directly(framed, socket_body(request))
-
-        async def stream() -> AsyncIterator[bytes]:  # asks for an event only once the last one's bytes are sent
-            async for event in job_stream.events():
-                data = framed(event)
-                if data is not None:
-                    yield data
-
-        return StreamingResponse(stream(), media_type=media_type,
+        return StreamingResponse(job_stream.frames(framed, socket_body(request)), media_type=media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/cancel", response_model=None, openapi_extra=openapi_json_body(CancelRequest),

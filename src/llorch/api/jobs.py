@@ -4,8 +4,8 @@ Every API submits through here, so there is one generation path.
 A stream that is abandoned before its terminal event cancels its job; one whose reader falls
 behind holds its job until it catches up.
 
-A stream given a framer (write_directly: the API's bytes for one event, the same function its
-handler frames with) may be written by the engine thread itself once its handler has sent everything before
+A stream read through `frames` (the API's bytes for one event, the one function both paths frame
+with) may be written by the engine thread itself once its handler has sent everything before
 (socket_body.py says why and when): its events then never wake the event loop, until the terminal
 one, which the handler frames and ends the answer with as before. The first write the socket
 does not take whole ends that for the stream: what is left of it, and every event after, go
@@ -25,8 +25,8 @@ from llorch.engine.request import Event, PreparedJob
 
 log = logging.getLogger("llorch.api")
 
-# An event's bytes on the wire, or None for an event this answer does not carry.
-Framer = Callable[[Event], bytes | None]
+# An event's bytes on the wire; empty for an event this answer does not carry.
+Framer = Callable[[Event], bytes]
 
 
 class JobStream:
@@ -48,8 +48,17 @@ class JobStream:
     def write_directly(self, framer: Framer, socket_body: SocketBody | None) -> None:
         """Let the engine thread write this stream's events with `framer` whenever the reader of `events()` is
         waiting with everything before sent (call before reading it). The reader must frame with the same
-        function, send each event's bytes before it asks for the next event, and not read ahead."""
+        function, send each event's bytes before it asks for the next event, and not read ahead (`frames`
+        does all of that; this is for a reader that merges several streams)."""
         self._framer, self._socket_body = framer, socket_body
+
+    async def frames(self, framer: Framer, socket_body: SocketBody | None) -> AsyncIterator[bytes]:
+        """The events' bytes as `framer` gives them, each asked for once the last is sent, the engine thread
+        writing them itself where it may."""
+        self.write_directly(framer, socket_body)
+        async for event in self.events():
+            if data := framer(event):
+                yield data
 
     def _emit(self, event: Event) -> None:  # runs on the engine thread
         item: Event | bytes = event
@@ -71,7 +80,7 @@ class JobStream:
             data = self._framer(event)
         except Exception:
             return event
-        return None if data is None else self._socket_body.write(data)
+        return self._socket_body.write(data) if data else None
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event up to and including the terminal one (those the engine thread wrote itself excepted).

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,9 +184,8 @@ async def complete(http: Request, engine: Engine, body: LlamaCompletionRequest) 
     gen = Generation(len(job.prompt_ids), frozenset(engine.tokens.eos_token_ids))
     shape = Shape(body, engine, body.settings(seed, engine.ctx_size, engine.model_id), prompt)
     if body.stream:
-        framer = Chunks(gen, shape)
-        stream.write_directly(lambda event: framer.event(event) or None, socket_body(http))
-        return StreamingResponse(chunks(stream, framer), media_type="text/event-stream",
+        return StreamingResponse(stream.frames(Chunks(gen, shape).event, socket_body(http)),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def collect() -> None:
@@ -223,9 +221,3 @@ class Chunks:
             out.append(sse(self.shape.final(gen, streamed=True)))
         return b"".join(out)
 
-
-async def chunks(stream: JobStream, framer: Chunks) -> AsyncIterator[bytes]:
-    """The chunks over the event loop. A client that goes away cancels the job (JobStream)."""
-    async for event in stream.events():  # asked for once the last event's bytes are sent
-        if data := framer.event(event):
-            yield data

@@ -12,7 +12,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -160,8 +159,7 @@ async def answer(http: Request, engine: Engine, request: GenerationRequest, body
     prompt_tokens = len(job.prompt_ids)
     if body.stream:
         lines = Lines(stream, reply, clock, shape, prompt_tokens)
-        stream.write_directly(lambda event: lines.event(event) or None, socket_body(http))
-        return StreamingResponse(stream_lines(stream, lines), media_type=NDJSON,
+        return StreamingResponse(stream.frames(lines.event, socket_body(http)), media_type=NDJSON,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     collected: list[TokenLogprob] = []
     ended: list[End] = []
@@ -219,8 +217,3 @@ class Lines:
             out.append(ndjson({**shape.body(Piece(), self.pending, done=True), **stats}))
         return b"".join(out)
 
-
-async def stream_lines(stream: JobStream, lines: Lines) -> AsyncIterator[bytes]:
-    async for event in stream.events():  # asked for once the last event's bytes are sent
-        if data := lines.event(event):
-            yield data

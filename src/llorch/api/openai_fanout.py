@@ -95,7 +95,7 @@ async def generate(http: Request, engine: Engine, body: Any, requests: list[Gene
     if body.stream:
         frames = ChunkFrames(engine, streams, choices, shape, body.include_usage, prompt_tokens)
         if len(streams) == 1:  # several are merged, read ahead of what is sent: only the loop writes those
-            streams[0].write_directly(lambda event: frames.event(0, event) or None, socket_body(http))
+            streams[0].write_directly(lambda event: frames.event(0, event), socket_body(http))
         return StreamingResponse(stream_chunks(frames, streams), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     if not await unless_disconnected(http, asyncio.ensure_future(collect(engine, streams, choices))):

@@ -182,11 +182,9 @@ async def respond(http: Request, engine: Engine, body: ResponseRequest, history:
 
         async def events() -> Any:
             yield b"".join(sse(event, event["type"]) for event in builder.started())
-            async for job_event in stream.events():  # asked for once the last event's bytes are sent
-                if data := frames(job_event):
-                    yield data
+            async for data in stream.frames(frames, socket_body(http)):
+                yield data
 
-        stream.write_directly(lambda job_event: frames(job_event) or None, socket_body(http))
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

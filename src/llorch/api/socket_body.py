@@ -75,9 +75,7 @@ class SocketBody:
                 return framed
             try:
                 sent = os.write(self._fd, framed)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:  # the client is gone: the loop learns it from the socket and cancels the job
+            except OSError:  # full (a slow reader) or gone: the loop learns which from the socket
                 sent = 0
             if sent == len(framed):
                 return None
