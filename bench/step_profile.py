@@ -33,7 +33,7 @@ from llorch.kernels.blocks import row_bytes
 from llorch.weights.native_loader import load_native
 from speed import cpu_flags, greedy_token, memory_bandwidth_gb_s
 
-PHASES = ("setup", "norm", "quantize", "q k v", "rope, cache", "attention", "combine", "o", "residual",
+PHASES = ("setup", "norm", "q k v", "rope, cache", "attention", "combine", "o", "residual",
           "gate up", "activation", "down", "head")
 PROJECTIONS = {"q k v": ("q", "k", "v"), "o": ("o",), "gate up": ("gate", "up"), "down": ("down",)}
 MODELS = {"default": models.default_model, "1b": models.billion_model, "3b": models.three_billion_model}

@@ -55,23 +55,33 @@ static inline void rope(float *x, int64_t heads, int64_t head_dim, const float *
     }
 }
 
+#define SPAN 256 /* values of a row's activation per work item: whole blocks, and 8-value vectors */
+_Static_assert(SPAN % QK == 0 && SPAN % 8 == 0, "a span is whole quantized blocks and whole vectors");
+
 static inline int is_block_type(int type) { return type != T_F32 && type != T_F16 && type != T_BF16; }
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* outs[i] = x . mats[i] for `m` rows of `k` values (worksharing): x is quantized first when
- * any of the matrices is a block type. Rows from `prompt_from` on are a prompt's own: where the
- * bfloat16 tile kernel takes every matrix (amx_bf16.c), it computes them, from xb. */
-static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, act_block *xq,
+/* The rows of x that a product of these matrices reads quantized: every one of the m, or those
+ * before the prompt rows that the bfloat16 tile kernel takes (amx_bf16.c); none when no matrix is a
+ * block type. */
+static int64_t quantized_rows(const matrix *mats, int count, int64_t m, const uint16_t *xb, int64_t prompt_from) {
+    const int64_t split = xb != NULL && prompt_from < m && llorch_bf16_takes(mats, count) ? prompt_from : m;
+    for (int i = 0; i < count; i++)
+        if (is_block_type(mats[i].type)) return split;
+    return 0;
+}
+
+/* outs[i] = x . mats[i] for `m` rows of `k` values (worksharing), from xq where x's rows are read
+ * quantized (quantized_rows): the phase that wrote x quantized each row in the same worksharing
+ * loop, as it finished it. Why: a phase of its own cost a barrier, and for one decoding row one
+ * thread's work while the other waited, four times a layer. Measured decoding one stream (two
+ * threads, Zen 4, alternating in one run, bench/builds.py): the default model 159 -> 169 tok/s, the
+ * 1.1B file 46.8 -> 47.8. Rows from `prompt_from` on are a prompt's own: where the bfloat16 tile
+ * kernel takes every matrix, it computes them, from xb. */
+static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, const act_block *xq,
                     uint16_t *xb, int64_t prompt_from, float *const *outs, int phase) {
     const int64_t split = xb != NULL && prompt_from < m && llorch_bf16_takes(mats, count) ? prompt_from : m;
-    for (int i = 0; i < count && split > 0; i++) {
-        if (is_block_type(mats[i].type)) {
-            llorch_quantize_rows_ws(x, split, k, xq);
-            break;
-        }
-    }
-    PROFILE(PH_QUANTIZE);
     if (split > 0) llorch_matmul_group_ws(mats, count, x, xq, split, outs);
     if (split < m) {
         float *shifted[3];
@@ -81,6 +91,24 @@ static void project(const matrix *mats, int count, const float *x, int64_t m, in
     }
     PROFILE(phase);
     (void)phase;
+}
+
+/* The rows of a layer's attention input that q, k and v read quantized. */
+static int64_t attention_quantized(const layer_desc *L, int64_t m, const uint16_t *xb, int64_t prompt_from) {
+    const matrix qkv[3] = {L->q, L->k, L->v};
+    return quantized_rows(qkv, 3, m, xb, prompt_from);
+}
+
+/* Row r of a product's input (`k` values at row), quantized where the product reads it so. */
+static inline void quantize_input(const float *row, int64_t r, int64_t k, int64_t quantized, act_block *xq) {
+    if (r < quantized) llorch_quantize_rows(row, 1, k, xq + r * (k / QK));
+}
+
+/* Row r's input to a layer's attention: its norm into h_row, quantized where q, k and v read it so. */
+static inline void attention_input(const model_desc *M, const layer_desc *L, const float *x_row, float *h_row,
+                                   int64_t r, int64_t quantized, act_block *xq) {
+    rms_norm(x_row, L->input_norm, M->hidden, M->eps, h_row);
+    quantize_input(h_row, r, M->hidden, quantized, xq);
 }
 
 /* Each logits row's argmax, read while the step's threads are up: every thread scans a share of
@@ -125,6 +153,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     const int64_t max_chunks = max_position / ATTN_CHUNK + 1, part_size = group * (HD + 2);
     const int64_t items = R * M->kv_heads * max_chunks;
     const int teams = threads > 1 ? threads : 1;
+    const int64_t activation_spans = (I + SPAN - 1) / SPAN;
+    const int whole_heads = HD % QK == 0; /* a head's values are whole blocks of the quantized row */
 
     /* Every buffer up front, each checked: a failure fails this step, never the process. */
     float *x = llorch_alloc(sizeof(float) * (size_t)(R * H)), *h = llorch_alloc(sizeof(float) * (size_t)(R * widest));
@@ -153,6 +183,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
         return -1;
     }
 
+    const int64_t first_quantized = M->layers > 0 ? attention_quantized(M->layer, R, xb, S->prompt_from) : 0;
+    const int64_t head_quantized = quantized_rows(M->head, 1, S->logit_rows_count, NULL, S->logit_rows_count);
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
 #endif
@@ -181,7 +213,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             }
         }
 
-        /* token embeddings */
+        /* token embeddings, and the first layer's attention input */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -189,6 +221,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             const matrix *E = M->embed;
             llorch_matrix_row(E->type, E->data, H, S->tokens[r], x + r * H);
             if (M->embed_scale != 0.0f) for (int64_t i = 0; i < H; i++) x[r * H + i] *= M->embed_scale;
+            if (M->layers > 0) attention_input(M, M->layer, x + r * H, h + r * H, r, first_quantized, xq);
         }
 
         PROFILE(PH_SETUP);
@@ -196,13 +229,13 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             const layer_desc *L = M->layer + l;
             const float *cos_table = rope_tables + (int64_t)(2 * L->rope) * R * HD;
             const float *sin_table = rope_tables + (int64_t)(2 * L->rope + 1) * R * HD;
+            const int64_t o_quantized = quantized_rows(&L->o, 1, R, xb, S->prompt_from);
+            const matrix gate_up[2] = {L->gate, L->up};
+            const int64_t gate_up_quantized = quantized_rows(gate_up, 2, R, xb, S->prompt_from);
+            const int64_t down_quantized = quantized_rows(&L->down, 1, R, xb, S->prompt_from);
+            const int64_t next_quantized = l + 1 < M->layers ? attention_quantized(L + 1, R, xb, S->prompt_from) : 0;
 
-            /* attention input: norm, then q, k, v in one worksharing loop */
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (int64_t r = 0; r < R; r++) rms_norm(x + r * H, L->input_norm, H, M->eps, h + r * H);
-            PROFILE(PH_NORM);
+            /* q, k, v in one worksharing loop (their input was normed and quantized by the phase before) */
             const matrix qkv[3] = {L->q, L->k, L->v};
             float *qkv_out[3] = {q, k, v};
             project(qkv, 3, h, R, H, xq, xb, S->prompt_from, qkv_out, PH_QKV);
@@ -268,10 +301,13 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 }
                 const float inverse = 1.0f / total;
                 for (int64_t d = 0; d < HD; d++) out[d] *= inverse;
+                /* a head is whole blocks of the row's quantized form, quantized here as it is done */
+                if (whole_heads && r < o_quantized) llorch_quantize_rows(out, 1, HD, xq + (r * NQ + head * HD) / QK);
             }
+            if (!whole_heads) llorch_quantize_rows_ws(attn, o_quantized, NQ, xq);
             PROFILE(PH_COMBINE);
 
-            /* output projection and the residual */
+            /* output projection and the residual, then the MLP's input normed and quantized */
             project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
@@ -287,30 +323,37 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                     for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
                     rms_norm(xr, L->post_attn_norm, H, M->eps, h + r * H);
                 }
+                quantize_input(h + r * H, r, H, gate_up_quantized, xq);
             }
             PROFILE(PH_RESIDUAL);
 
             /* the MLP */
-            const matrix gate_up[2] = {L->gate, L->up};
             float *gate_up_out[2] = {gate, up};
             project(gate_up, 2, h, R, H, xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP);
+            /* the activation in spans of each row, so that one decoding row's is shared by the threads;
+             * each span quantized as it is done (whole blocks: SPAN is a multiple of 32) */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t r = 0; r < R; r++) {  /* h was consumed by gate/up: it takes the activations */
-                float *g_row = gate + r * I, *u_row = up + r * I, *a_row = h + r * I;
+            for (int64_t item = 0; item < R * activation_spans; item++) {  /* h, read by gate and up, takes them */
+                const int64_t r = item / activation_spans, first = item % activation_spans * SPAN;
+                const int64_t n = first + SPAN < I ? SPAN : I - first;
+                const float *g_span = gate + r * I + first, *u_span = up + r * I + first;
+                float *a_span = h + r * I + first;
                 int64_t i = 0;
 #if defined(LLORCH_AVX2) && !defined(__AVX512F__)
-                i = v_gated8(g_row, u_row, I, M->activation == 1, a_row);
+                i = v_gated8(g_span, u_span, n, M->activation == 1, a_span);
 #endif
                 if (M->activation == 1) {
-                    for (; i < I; i++) a_row[i] = v_gelu_tanh(g_row[i]) * u_row[i];
+                    for (; i < n; i++) a_span[i] = v_gelu_tanh(g_span[i]) * u_span[i];
                 } else {
-                    for (; i < I; i++) a_row[i] = v_silu(g_row[i]) * u_row[i];
+                    for (; i < n; i++) a_span[i] = v_silu(g_span[i]) * u_span[i];
                 }
+                if (r < down_quantized) llorch_quantize_rows(a_span, 1, n, xq + (r * I + first) / QK);
             }
             PROFILE(PH_ACTIVATION);
             project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN);
+            /* the residual, then the next layer's attention input normed and quantized */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -318,6 +361,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 float *xr = x + r * H, *orow = o + r * H;
                 if (M->sandwich) rms_norm(orow, L->post_ffn_norm, H, M->eps, orow);
                 for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
+                if (l + 1 < M->layers) attention_input(M, L + 1, xr, h + r * H, r, next_quantized, xq);
             }
             PROFILE(PH_RESIDUAL);
         }
@@ -327,7 +371,10 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t i = 0; i < wanted; i++) rms_norm(x + S->logit_rows[i] * H, M->final_norm, H, M->eps, h + i * H);
+        for (int64_t i = 0; i < wanted; i++) {
+            rms_norm(x + S->logit_rows[i] * H, M->final_norm, H, M->eps, h + i * H);
+            quantize_input(h + i * H, i, H, head_quantized, xq);
+        }
         PROFILE(PH_NORM);
         project(M->head, 1, h, wanted, H, xq, NULL, wanted, &S->logits, PH_HEAD);
         if (M->logit_softcap != 0.0f) {
