@@ -42,23 +42,30 @@ static inline void q5_0_steps(const uint8_t *ga, const uint8_t *gb, __m512i v[8]
 }
 
 /* A Q4_K_R8 super-block's 6-bit sub-block scales and minimums, both groups: [0] scales 0-3, [1]
- * scales 4-7, [2] minimums 0-3, [3] minimums 4-7, each [sub-block][row] (row 0-7 at 0-31, the
- * second group at 32-63). */
+ * scales 4-7, [2] minimums 0-3, [3] minimums 4-7, each [sub-block][group][row] (16 bytes a sub-block:
+ * the first group's eight rows, then the second's), the order q4_k_sub reads them in. */
 static inline void q4_k_scales(const uint8_t *ga, const uint8_t *gb, uint8_t unpacked[4][64]) {
     const __m512i a = two_steps(ga + 32, gb + 32), b = two_steps(ga + 64, gb + 64), c = two_steps(ga + 96, gb + 96);
     const __m512i six = _mm512_set1_epi8(63), top = _mm512_set1_epi8(0x30), low = _mm512_set1_epi8(0x0f);
-    _mm512_storeu_si512(unpacked[0], _mm512_and_si512(a, six));
-    _mm512_storeu_si512(unpacked[1], _mm512_or_si512(_mm512_and_si512(c, low),
-                                                     _mm512_and_si512(_mm512_srli_epi16(a, 2), top)));
-    _mm512_storeu_si512(unpacked[2], _mm512_and_si512(b, six));
-    _mm512_storeu_si512(unpacked[3], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
-                                                     _mm512_and_si512(_mm512_srli_epi16(b, 2), top)));
+    /* the planes' order is [group][sub-block][row]: each sub-block's two groups brought side by side */
+    const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+    const __m512i planes[4] = {
+        _mm512_and_si512(a, six),
+        _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_srli_epi16(a, 2), top)),
+        _mm512_and_si512(b, six),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low), _mm512_and_si512(_mm512_srli_epi16(b, 2), top)),
+    };
+    for (int i = 0; i < 4; i++) _mm512_storeu_si512(unpacked[i], _mm512_permutexvar_epi64(order, planes[i]));
 }
 
-/* Sub-block `sub`'s scale (or, from unpacked[2..3], minimum) for the sixteen rows, as floats. */
+/* Sub-block `sub`'s scale (or, from unpacked[2..3], minimum) for the sixteen rows, as floats: one
+ * load of its sixteen bytes. Why that order: gathering each sub-block's two halves from the groups'
+ * own order cost three operations more per sub-block, sixteen sub-blocks a super-block. Measured
+ * (Q4_K 5632 x 2048 in cache, one thread, Zen 4, alternating in one process, same bits): one
+ * activation row 42.4 -> 43.8 GB/s, four rows 20.1 -> 20.6. */
 static inline __m512 q4_k_sub(uint8_t unpacked[4][64], int first_plane, int sub) {
-    const uint8_t *at = unpacked[first_plane + sub / 4] + 8 * (sub % 4);
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two_halves(at, at + 32)));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(unpacked[first_plane + sub / 4] + 16 * (sub % 4)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
 /* Q6_K_R8: the 2-bit high parts of step p (0-3) from their plane, placed at bits 4-5. */
