@@ -321,8 +321,13 @@ def test_a_sampled_token_is_where_the_uniform_falls_in_the_filtered_distribution
     probability passes the uniform, under the float64 reference (a token the filters drop is
     never drawn; a uniform within 1e-5 of a boundary may land on either side of it)."""
     rng = np.random.default_rng(7)
-    for vocab, scale in [(5, 1.0), (1000, 4.0), (262_144, 5.0), (32_768, 0.5)]:
+    # A flat row of the full vocabulary, plain and in steps of 1/4 (many equal weights where the filters
+    # cut), leaves most tokens to the filters: they are selected there, not sorted.
+    for vocab, scale, step in [(5, 1.0, 0), (1000, 4.0, 0), (262_144, 5.0, 0), (32_768, 0.5, 0), (262_144, 1.0, 0),
+                               (262_144, 1.0, 4)]:
         logits = (rng.standard_normal(vocab) * scale).astype(np.float32)
+        if step:
+            logits = np.round(logits * step) / step
         logits[rng.integers(vocab)] = float(logits.max())  # a tie for the top
         probs, cumulative = reference_draw(logits, temperature, top_k, top_p, min_p)
         row = torch.from_numpy(logits)

@@ -2,6 +2,7 @@
  * mask, and a sampled token. In C because torch spends a pass (and an allocation) per
  * operation: drawing one token at 262k tokens took nine passes and 1.1 ms on one thread,
  * which is a tenth of a small model's decode step. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -98,21 +99,25 @@ void llorch_mask_row(float *x, int64_t cols, const uint32_t *allowed, int64_t wo
 /* A row's scratch, grown as needed and kept: one per thread, so concurrent callers never share. */
 static _Thread_local float *weights_buf;
 static _Thread_local int32_t *order_buf;
+static _Thread_local float *values_buf;
 static _Thread_local int64_t scratch_cap;
 
 static int reserve(int64_t n) {
     if (n <= scratch_cap) return 0;
-    float *w = malloc((size_t)n * sizeof *w);
+    float *w = malloc((size_t)n * sizeof *w), *v = malloc((size_t)n * sizeof *v);
     int32_t *o = malloc((size_t)n * sizeof *o);
-    if (!w || !o) {
+    if (!w || !o || !v) {
         free(w);
         free(o);
+        free(v);
         return -1;
     }
     free(weights_buf);
     free(order_buf);
+    free(values_buf);
     weights_buf = w;
     order_buf = o;
+    values_buf = v;
     scratch_cap = n;
     return 0;
 }
@@ -127,22 +132,199 @@ static int by_weight_descending(const void *a, const void *b) {
 
 static int by_index(const void *a, const void *b) { return *(const int32_t *)a - *(const int32_t *)b; }
 
-/* The tokens top_k and top_p keep, into order[0..return), ascending: the largest weights are
- * ranked among those at or above a floor, lowered until they hold the k tokens (or, without
- * top_k, enough of the mass for top_p), so a peaked row sorts a handful, not the vocabulary. */
-static int64_t ranked_kept(const float *w, int64_t n, double total, int64_t top_k, float top_p, int32_t *order) {
-    const int by_k = top_k > 0 && top_k < n;
-    const int64_t k = by_k ? top_k : n;
+#define SORTED_MAX 1024 /* candidates ranked by sorting them; more are selected in linear time */
+
+/* The sum of the weights at or above `least` among w[0..16 * groups), in sixteen float lanes (a
+ * plain sum would not vectorize: C keeps the order of a scalar float sum). */
+static double lanes_mass(const float *w, int64_t groups, float least) {
+    float lanes[16] = {0};
+    for (int64_t i = 0; i < 16 * groups; i += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += w[i + l] >= least ? w[i + l] : 0.0f;
+    double total = 0.0;
+    for (int l = 0; l < 16; l++) total += lanes[l];
+    return total;
+}
+
+/* The same over w[0..n). */
+static double mass_from(const float *w, int64_t n, float least) {
+    /* float lanes over 1024 values at a time, their sums in double: a lane's float sum over a whole
+     * flat 262k row was 1e-5 off, and so was every draw's place in it */
+    enum { CHUNK = 1024 };
+    double total = 0.0;
+    int64_t i = 0;
+    for (; i + CHUNK <= n; i += CHUNK) total += lanes_mass(w + i, CHUNK / 16, least);
+    total += lanes_mass(w + i, (n - i) / 16, least);
+    for (i += (n - i) / 16 * 16; i < n; i++) total += w[i] >= least ? w[i] : 0.0f;
+    return total;
+}
+
+/* How many of w[0..n) are at or above `least`, in sixteen lanes (as lanes_mass). */
+static int64_t count_from(const float *w, int64_t n, float least) {
+    int32_t lanes[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += w[i + l] >= least;
+    int64_t total = 0;
+    for (int l = 0; l < 16; l++) total += lanes[l];
+    for (; i < n; i++) total += w[i] >= least;
+    return total;
+}
+
+/* Where the ranking of v[0..n) (descending) crosses `need`: the smallest value x for which what lies
+ * above x (a count with by_count, else a mass) is below need; need > 0. */
+typedef struct {
+    float weight;  /* x */
+    double above;  /* the count or mass of the values above x */
+    int64_t ties;  /* how many values equal x */
+} crossing;
+
+/* A histogram of one radix level: the mass and the count of the values in each bucket. */
+static _Thread_local double bucket_mass[4096];
+static _Thread_local int64_t bucket_count[4096];
+
+/* Selected by the bits of the values (which, at or above 0 and at most 1, order as the values do): in
+ * three levels of buckets, bits 20-29, 8-19 and 0-7, each level one pass over the values of the
+ * bucket the level before found the crossing in, those values then kept at the front of v. Why not
+ * a quickselect: its comparisons go either way as often, and mispredicted they made it several times
+ * slower than these passes, which have no branch to mispredict. */
+static crossing crossing_of(float *v, int64_t n, double need, int by_count) {
+    static const int shifts[3] = {20, 8, 0}, widths[3] = {1024, 4096, 256};
+    double above = 0.0; /* the count or mass of the values above the current bucket */
+    uint32_t found = 0; /* the crossing's bits, level by level */
+    for (int level = 0; level < 3; level++) {
+        const int shift = shifts[level];
+        const uint32_t mask = (uint32_t)widths[level] - 1;
+        memset(bucket_mass, 0, sizeof(double) * (size_t)widths[level]);
+        memset(bucket_count, 0, sizeof(int64_t) * (size_t)widths[level]);
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits;
+            memcpy(&bits, v + i, sizeof bits);
+            bucket_mass[(bits >> shift) & mask] += v[i];
+            bucket_count[(bits >> shift) & mask]++;
+        }
+        /* from the top: the first bucket whose values take what lies above them to need (or, when
+         * rounding left the whole short of it, the lowest bucket with any value) */
+        int64_t bucket = -1;
+        double below = above;
+        for (int64_t b = mask; b >= 0; b--) {
+            if (bucket_count[b] == 0) continue;
+            const double amount = by_count ? (double)bucket_count[b] : bucket_mass[b];
+            bucket = b;
+            above = below;
+            if (below + amount >= need) break;
+            below += amount;
+        }
+        found |= (uint32_t)bucket << shift;
+        int64_t kept = 0;
+        for (int64_t i = 0; i < n; i++) { /* without branches: a value's side is as likely as not */
+            uint32_t bits;
+            memcpy(&bits, v + i, sizeof bits);
+            v[kept] = v[i];
+            kept += ((bits >> shift) & mask) == (uint32_t)bucket;
+        }
+        n = kept;
+    }
+    crossing c;
+    memcpy(&c.weight, &found, sizeof found);
+    c.above = above;
+    c.ties = n;
+    return c;
+}
+
+/* The tokens at or above a floor, into order[0..return), ascending, and the floor (from *floor_w down,
+ * 1e-4 of it at a time, or 0) where they are k tokens (k > 0) or, without top_k, enough of the mass for
+ * top_p. A peaked row's first floor passes a handful: one pass with a branch seldom taken, their mass
+ * summed as they come. Below it many may pass: the floor is found by vectorized sums, then they are
+ * gathered without branches (a branch taken about as often as not is mispredicted half the time). */
+static int64_t candidates_at_floor(const float *w, int64_t n, double total, int64_t k, float top_p, int32_t *order,
+                                   float *floor_w) {
     int64_t count = 0;
-    for (float floor_w = 1e-3f;; floor_w = floor_w > 1e-30f ? floor_w * 1e-4f : 0.0f) {
+    if (k == 0) {
         double mass = 0.0;
-        count = 0;
         for (int64_t j = 0; j < n; j++)
-            if (w[j] >= floor_w) {
+            if (w[j] >= *floor_w) {
                 order[count++] = (int32_t)j;
                 mass += w[j];
             }
-        if (floor_w == 0.0f || (by_k ? count >= k : mass >= (double)top_p * total)) break;
+        if (mass >= (double)top_p * total) return count;
+        count = 0;
+        *floor_w *= 1e-4f;
+    }
+    int64_t at_floor = n;
+    for (;; *floor_w = *floor_w > 1e-30f ? *floor_w * 1e-4f : 0.0f) {
+        if (*floor_w == 0.0f) break;
+        at_floor = count_from(w, n, *floor_w);
+        if (k > 0 ? at_floor >= k : mass_from(w, n, *floor_w) >= (double)top_p * total) break;
+    }
+    if (*floor_w == 0.0f) at_floor = n;
+    if (at_floor * 8 < n) {
+        for (int64_t j = 0; j < n; j++)
+            if (w[j] >= *floor_w) order[count++] = (int32_t)j;
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            order[count] = (int32_t)j;
+            count += w[j] >= *floor_w;
+        }
+    }
+    return count;
+}
+
+/* The tokens top_k and top_p keep, into order[0..return), ascending: the largest weights are
+ * ranked among those at or above a floor, lowered until they hold the k tokens (or, without
+ * top_k, enough of the mass for top_p), so a peaked row ranks a handful, not the vocabulary.
+ * A ranking is ordered by descending weight, equal weights by ascending index. Why two ways to rank:
+ * a flat row's candidates are most of the vocabulary, and sorting them all cost more than the step
+ * (the default model at temperature 1.5 and top_p 0.95: 6.5 ms a token, Zen 4), where selecting the
+ * crossing takes a few passes over them (0.65 ms); a handful are sorted faster. */
+static int64_t ranked_kept(const float *w, int64_t n, double total, int64_t top_k, float top_p, int32_t *order) {
+    const int by_k = top_k > 0 && top_k < n;
+    const int64_t k = by_k ? top_k : n;
+    float floor_w = 1e-3f;
+    int64_t count = candidates_at_floor(w, n, total, by_k ? k : 0, top_p, order, &floor_w);
+    if (count > SORTED_MAX) {
+        float *v = values_buf; /* the candidates' weights, to select among */
+        const int64_t candidates = count;
+        for (int64_t j = 0; j < count; j++) v[j] = w[order[j]];
+        crossing c = {floor_w, 0.0, -1}; /* every candidate: those at or above the floor */
+        double in_set = total;
+        /* top_k: every weight at or above the k-th largest (ties with it stay) */
+        if (by_k && count > k) {
+            c = crossing_of(v, count, (double)k, 1);
+            in_set = 0.0;
+            int64_t kept = 0;
+            for (int64_t j = 0; j < count; j++) { /* crossing_of kept only its last bucket's values in v */
+                const float x = w[order[j]];
+                if (x >= c.weight) {
+                    in_set += x;
+                    v[kept++] = x;
+                }
+            }
+            count = kept;
+            c.ties = -1; /* all of the k-th's equals */
+        }
+        /* top_p: the smallest prefix of the ranking whose mass reaches top_p, and always the first */
+        if (top_p < 1.0f) {
+            const double need = (double)top_p * in_set;
+            c = crossing_of(v, count, need > 0.0 ? need : DBL_MIN, 0);
+            double before = c.above;
+            int64_t taken = 0;
+            while (taken < c.ties && (before < need || (taken == 0 && c.above == 0.0))) {
+                before += c.weight;
+                taken++;
+            }
+            c.ties = taken;
+        }
+        /* in ascending order: each candidate above the crossing, and its first c.ties equal ones (-1: all) */
+        const int64_t tie_limit = c.ties < 0 ? candidates : c.ties;
+        int64_t kept = 0, ties = 0;
+        for (int64_t j = 0; j < candidates; j++) { /* without branches, as crossing_of's */
+            const float x = w[order[j]];
+            const int64_t tie = x == c.weight;
+            order[kept] = order[j];
+            kept += (int64_t)(x > c.weight) | (tie & (int64_t)(ties < tie_limit));
+            ties += tie;
+        }
+        return kept;
     }
     sort_weights = w;
     qsort(order, (size_t)count, sizeof *order, by_weight_descending);
@@ -163,24 +345,6 @@ static int64_t ranked_kept(const float *w, int64_t n, double total, int64_t top_
     }
     qsort(order, (size_t)kept, sizeof *order, by_index);
     return kept;
-}
-
-/* The sum of the weights at or above `least` among w[0..16 * groups), in sixteen float lanes (a
- * plain sum would not vectorize: C keeps the order of a scalar float sum). */
-static double lanes_mass(const float *w, int64_t groups, float least) {
-    float lanes[16] = {0};
-    for (int64_t i = 0; i < 16 * groups; i += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += w[i + l] >= least ? w[i + l] : 0.0f;
-    double total = 0.0;
-    for (int l = 0; l < 16; l++) total += lanes[l];
-    return total;
-}
-
-/* The same over w[0..n). */
-static double mass_from(const float *w, int64_t n, float least) {
-    double total = lanes_mass(w, n / 16, least);
-    for (int64_t i = n / 16 * 16; i < n; i++) total += w[i] >= least ? w[i] : 0.0f;
-    return total;
 }
 
 #define DRAW_BLOCK 64 /* weights skipped at once while their sum stays below the target */
