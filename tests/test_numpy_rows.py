@@ -241,6 +241,27 @@ def test_sample_batch_on_numpy_chooses_the_torch_path_s_tokens_with_its_logprobs
     assert ended == [[False, False], [False, False], [False, True], [True, True], [True, True], [True, True]]
 
 
+def test_sampled_rows_of_a_step_draw_the_tokens_each_draws_alone() -> None:
+    """A step's sampled rows go to C together, shared by the step's threads: each row's token is the one it
+    draws alone (its own stream, its own settings), a NaN row's and the rows beside a greedy or penalized one too."""
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=1.3, top_k=40), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.05),
+              SamplingParams(temperature=0.8, repetition_penalty=1.3), SamplingParams(temperature=2.0, top_p=0.99),
+              SamplingParams(temperature=1.0)]
+    names = ("normal", "normal", "peaked", "normal", "flat", "normal", "normal", "nan")
+    together, alone = states(params, None), states(params, None)
+    for step in range(3):
+        logits = np.stack([kinds(VOCAB, seed=10 * step + i)[name] for i, name in enumerate(names)])
+        batch = [s.token_id for s in sample_batch(logits, together)]
+        single = [sample_batch(logits[i : i + 1], [alone[i]])[0].token_id for i in range(len(params))]
+        assert batch == single
+        assert batch[-1] == VOCAB - 1  # the NaN row: searchsorted's last id, as a row alone
+        for state, other, token in zip(together, alone, batch, strict=True):
+            state.accept(token)
+            other.accept(token)
+
+
 def test_plain_greedy_rows_on_numpy_are_their_argmax_in_one_pass() -> None:
     logits = matrix(("normal", "peaked", "flat", "masked", "nan", "inf"))
     greedy = [SamplingParams(temperature=0.0)] * 6

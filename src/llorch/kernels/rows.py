@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llorch.kernels.build import library
+from llorch.kernels.build import library, threads
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -65,6 +65,23 @@ def sample_row(logits: Array, temperature: float, top_k: int, top_p: float, min_
     count = row.size if isinstance(row, np.ndarray) else row.numel()
     token = library().llorch_sample_row(address(row), count, temperature, top_k, top_p, min_p, uniform)
     return None if token < 0 else int(token)
+
+
+def sample_rows(logits: Array, rows: list[int], settings: list[tuple[float, int, float, float, float]]
+                ) -> list[int | None]:
+    """sample_row for rows of a 2-d float32 CPU array at once, shared by the C step's threads: row
+    rows[i] drawn with settings[i] (temperature, top_k, top_p, min_p, uniform); None where
+    sample_row gives None."""
+    logits = _contiguous(logits)
+    count = len(rows)
+    temperature, top_k, top_p, min_p, uniform = zip(*settings, strict=True)
+    # Held in names while C reads them: an array made inside the call's arguments would be freed first.
+    arrays = ((ctypes.c_int64 * count)(*rows), (ctypes.c_float * count)(*temperature),
+              (ctypes.c_int64 * count)(*top_k), (ctypes.c_float * count)(*top_p), (ctypes.c_float * count)(*min_p),
+              (ctypes.c_double * count)(*uniform), (ctypes.c_int64 * count)())
+    at = [ctypes.addressof(array) for array in arrays]
+    library().llorch_sample_rows(address(logits), logits.shape[1], at[0], count, *at[1:], threads())
+    return [None if token < 0 else int(token) for token in arrays[-1]]
 
 
 def mask_rows(logits: Array, rows: list[int], bitmask: Array) -> None:

@@ -198,6 +198,12 @@ int64_t llorch_argmax_span(const float *x, int64_t n, float *max);
 int64_t llorch_sample_row(const float *x, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
                           double uniform);
 
+/* llorch_sample_row for rows rows[0..count) of the [*, n] logits at x, row i with the i-th of each
+ * parameter, into out[i], the rows shared by `threads` threads. */
+void llorch_sample_rows(const float *x, int64_t n, const int64_t *rows, int64_t count, const float *temperature,
+                        const int64_t *top_k, const float *top_p, const float *min_p, const double *uniform,
+                        int64_t *out, int threads);
+
 /* Constrained decoding: x[j] = -inf wherever bit j of `allowed` (bit j % 32 of word j / 32) is clear. */
 void llorch_mask_row(float *x, int64_t cols, const uint32_t *allowed, int64_t words);
 
