@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llorch.engine.detokenizer import WINDOW_TOKENS, IncrementalDetokenizer
+from llorch.engine.penalties import penalized
 from llorch.engine.request import SamplingParams
-from llorch.engine.sampler import SamplerState, filtered_probs, penalized, sample_batch
+from llorch.engine.sampler import SamplerState, filtered_probs, sample_batch
 from llorch.engine.stop import StopMatcher
 from llorch.weights.loader import LoadedModel
 from llorch.weights.tokenizer import Tokenizer, tokenizer_from_gguf

@@ -19,8 +19,9 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from llorch.engine import host_rows
 from llorch.engine.masks import GrammarMasks, mask_proposals
+from llorch.engine.penalties import penalized
 from llorch.engine.request import SamplingParams
-from llorch.engine.sampler import Sampled, SamplerState, argmax, draw, filtered_probs, penalized, sample_batch
+from llorch.engine.sampler import Sampled, SamplerState, argmax, draw, filtered_probs, sample_batch
 from llorch.engine.scoring import last_token_pool, rank_pool, score_rows
 from llorch.engine.verify import verify
 from llorch.kernels.rows import argmax_rows, mask_rows, sample_row

@@ -12,14 +12,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from llorch.engine.penalties import apply_presence_frequency, apply_repetition_penalty
 from llorch.engine.request import SamplingParams
-from llorch.engine.sampler import (
-    SamplerState,
-    apply_presence_frequency,
-    apply_repetition_penalty,
-    filtered_probs,
-    sample_batch,
-)
+from llorch.engine.sampler import SamplerState, filtered_probs, sample_batch
 
 pytestmark = pytest.mark.cpu
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llorch.engine import arrays, host_rows
+from llorch.engine.penalties import penalized
 from llorch.engine.request import SamplingParams
 from llorch.kernels.rows import argmax_rows, sample_row, sample_rows
 
@@ -37,10 +38,9 @@ if TYPE_CHECKING:
 
 # A draw lands strictly below the total mass, whatever float32 rounding does to u * total.
 _BELOW_ONE = 1.0 - 2.0**-20
-# Accepted values below these act as these: dividing float32 logits by less overflows (1e-300 is 0 in
-# float32, and 0/0 is NaN). At 1e-6 a temperature is already greedy and a penalty already decisive.
+# Accepted values below this act as this: dividing float32 logits by less overflows (1e-300 is 0 in
+# float32, and 0/0 is NaN). At 1e-6 a temperature is already greedy.
 MIN_TEMPERATURE = 1e-6
-MIN_REPETITION_PENALTY = 1e-6
 
 
 class SamplerState:
@@ -109,32 +109,6 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def apply_repetition_penalty(logits: Array, seen: Array | None, penalty: float) -> Array:
-    """Make tokens already in the context less (penalty > 1) or more (< 1) likely."""
-    if penalty == 1.0 or seen is None or len(seen) == 0:
-        return logits
-    penalty = max(penalty, MIN_REPETITION_PENALTY)
-    if isinstance(logits, np.ndarray):
-        picked = logits[seen]
-        logits = logits.copy()
-        logits[seen] = np.where(picked > 0, picked / penalty, picked * penalty)
-        return logits
-    import torch
-
-    picked = logits.gather(0, seen)
-    logits = logits.clone()
-    logits.scatter_(0, seen, torch.where(picked > 0, picked / penalty, picked * penalty))
-    return logits
-
-
-def apply_presence_frequency(logits: Array, counts: Array | None, params: SamplingParams) -> Array:
-    """OpenAI's penalties: subtract frequency * count and presence * (count > 0) per token."""
-    if counts is None or (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0):
-        return logits
-    present = (counts > 0).astype(logits.dtype) if isinstance(counts, np.ndarray) else (counts > 0).to(logits.dtype)
-    return logits - params.frequency_penalty * counts - params.presence_penalty * present
-
-
 def filtered_probs(logits: Array, params: SamplingParams) -> Array:
     """The distribution a sampled token is drawn from (1-d), after temperature and filters."""
     if isinstance(logits, np.ndarray):
@@ -159,26 +133,6 @@ def filtered_probs(logits: Array, params: SamplingParams) -> Array:
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
-
-
-def penalized(logits: Array, state: SamplerState) -> Array:
-    """One row's logits after the bias and penalties its parameters ask for."""
-    host = isinstance(logits, np.ndarray)
-    if state.bias is not None:
-        if host:
-            logits = logits.copy()
-            np.add.at(logits, state.bias[0], state.bias[1].astype(logits.dtype))
-        else:
-            logits = logits.index_add(0, state.bias[0], state.bias[1].to(logits.dtype))
-    logits = apply_repetition_penalty(logits, state.seen, state.params.repetition_penalty)
-    logits = apply_presence_frequency(logits, state.counts, state.params)
-    if state.eos_blocked:
-        if host:
-            logits = logits.copy()
-            logits[state.eos] = -np.inf
-        else:
-            logits = logits.index_fill(0, state.eos, float("-inf"))  # type: ignore[arg-type]
-    return logits
 
 
 def draw(probs: Array, uniform: float) -> Array | int:
