@@ -150,18 +150,27 @@ def draw(probs: Array, uniform: float) -> Array | int:
 def sample(logits: Array, params: SamplingParams, uniform: float) -> Array | int:
     """One row's token (0-d tensor, or an int for a numpy row) for a `uniform` draw: in one C pass on the CPU,
     with torch elsewhere and the array's own ops for a row the C pass leaves to them (a NaN or an infinity)."""
-    host = isinstance(logits, np.ndarray)
-    if host:
-        in_c = logits.dtype == np.float32
-    else:
-        import torch
-
-        in_c = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if in_c:
+    if in_c(logits):
         token = sample_row(logits, *c_setting(params, uniform))
         if token is not None:
-            return token if host else torch.tensor(token)
+            return token if isinstance(logits, np.ndarray) else as_tensor(token)
     return draw(filtered_probs(logits, params), uniform)
+
+
+def in_c(logits: Array) -> bool:
+    """Whether the C sampler reads these logits: float32 in host memory (numpy, or torch on the CPU)."""
+    if isinstance(logits, np.ndarray):
+        return logits.dtype == np.float32
+    import torch
+
+    return logits.device.type == "cpu" and logits.dtype == torch.float32
+
+
+def as_tensor(token: int) -> Array:
+    """A C-drawn token as the 0-d tensor the torch path gives."""
+    import torch
+
+    return torch.tensor(token)
 
 
 def c_setting(params: SamplingParams, uniform: float) -> tuple[float, int, float, float, float]:
@@ -175,16 +184,7 @@ def sampled_together(logits: Array, states: Sequence[SamplerState]) -> dict[int,
     float32 CPU logits. Why: one after another, a batch's sampled rows were most of the engine's time a step
     at 16 streams (0.2 ms each at 262k tokens)."""
     rows = [i for i, state in enumerate(states) if plain_sampled(state)]
-    if len(rows) < 2:
-        return {}
-    host = isinstance(logits, np.ndarray)
-    if host:
-        in_c = logits.dtype == np.float32
-    else:
-        import torch
-
-        in_c = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if not in_c:
+    if len(rows) < 2 or not in_c(logits):
         return {}
     uniforms = [states[i].uniform() for i in rows]
     tokens = sample_rows(logits, rows, [c_setting(states[i].params, u) for i, u in zip(rows, uniforms, strict=True)])
@@ -193,7 +193,7 @@ def sampled_together(logits: Array, states: Sequence[SamplerState]) -> dict[int,
         if token is None:  # a NaN or an infinity: the row's own ops decide, as sample's
             chosen[i] = draw(filtered_probs(logits[i], states[i].params), uniform)
         else:
-            chosen[i] = token if host else torch.tensor(token)
+            chosen[i] = token if isinstance(logits, np.ndarray) else as_tensor(token)
     return chosen
 
 

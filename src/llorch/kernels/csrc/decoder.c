@@ -62,13 +62,17 @@ static inline int is_block_type(int type) { return type != T_F32 && type != T_F1
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* The rows of x that a product of these matrices reads quantized: every one of the m, or those
- * before the prompt rows that the bfloat16 tile kernel takes (amx_bf16.c); none when no matrix is a
- * block type. */
+/* Where a product of these matrices splits its m rows: those before go through the 8-bit kernels,
+ * those after, a prompt's own, through the bfloat16 tile kernel where it takes every matrix (amx_bf16.c). */
+static int64_t bf16_split(const matrix *mats, int count, int64_t m, const uint16_t *xb, int64_t prompt_from) {
+    return xb != NULL && prompt_from < m && llorch_bf16_takes(mats, count) ? prompt_from : m;
+}
+
+/* The rows of x that a product of these matrices reads quantized: those before the split, or none when
+ * no matrix is a block type. */
 static int64_t quantized_rows(const matrix *mats, int count, int64_t m, const uint16_t *xb, int64_t prompt_from) {
-    const int64_t split = xb != NULL && prompt_from < m && llorch_bf16_takes(mats, count) ? prompt_from : m;
     for (int i = 0; i < count; i++)
-        if (is_block_type(mats[i].type)) return split;
+        if (is_block_type(mats[i].type)) return bf16_split(mats, count, m, xb, prompt_from);
     return 0;
 }
 
@@ -82,7 +86,7 @@ static int64_t quantized_rows(const matrix *mats, int count, int64_t m, const ui
  * where the bfloat16 tile kernel takes every matrix, it computes them, from xb. */
 static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, const act_block *xq,
                     uint16_t *xb, int64_t prompt_from, float *const *outs, int phase) {
-    const int64_t split = xb != NULL && prompt_from < m && llorch_bf16_takes(mats, count) ? prompt_from : m;
+    const int64_t split = bf16_split(mats, count, m, xb, prompt_from);
     if (split > 0) llorch_matmul_group_ws(mats, count, x, xq, split, outs);
     if (split < m) {
         float *shifted[3];

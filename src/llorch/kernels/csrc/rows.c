@@ -250,13 +250,15 @@ static int64_t candidates_at_floor(const float *w, int64_t n, double total, int6
         count = 0;
         *floor_w *= 1e-4f;
     }
-    int64_t at_floor = n;
+    int64_t at_floor; /* how many weights are at or above the floor */
     for (;; *floor_w = *floor_w > 1e-30f ? *floor_w * 1e-4f : 0.0f) {
-        if (*floor_w == 0.0f) break;
+        if (*floor_w == 0.0f) {
+            at_floor = n;
+            break;
+        }
         at_floor = count_from(w, n, *floor_w);
         if (k > 0 ? at_floor >= k : mass_from(w, n, *floor_w) >= (double)top_p * total) break;
     }
-    if (*floor_w == 0.0f) at_floor = n;
     if (at_floor * 8 < n) {
         for (int64_t j = 0; j < n; j++)
             if (w[j] >= *floor_w) order[count++] = (int32_t)j;
