@@ -152,17 +152,23 @@ def _serve(options: ClusterOptions, worker: argparse.Namespace) -> int:
         # (with no address Ray would join that one, and replace its application).
         ray.init(address=address or "local", include_dashboard=False if address is None else None,
                  logging_level=logging.WARNING, log_to_driver=True)
+        verdict: list[str] = []  # a start failure's line, printed once Ray is down
         try:
-            return _serve_on_ray(options, worker, front, serve)
+            return _serve_on_ray(options, worker, front, serve, verdict)
         finally:
             if address is None:
                 serve.shutdown()
             ray.shutdown()
+            # After Ray's shutdown: its log lines, which a thread of Ray's copies to stderr, may otherwise
+            # be cut by this one (the line then no longer starts with the program's name).
+            for line in verdict:
+                report_failure(PROGRAM, line)
     finally:
         front.stop()
 
 
-def _serve_on_ray(options: ClusterOptions, worker: argparse.Namespace, front: Front, serve: Any) -> int:
+def _serve_on_ray(options: ClusterOptions, worker: argparse.Namespace, front: Front, serve: Any,
+                  verdict: list[str]) -> int:
     import ray
 
     gpus = ray.cluster_resources().get("GPU", 0)
@@ -186,7 +192,7 @@ def _serve_on_ray(options: ClusterOptions, worker: argparse.Namespace, front: Fr
         serve.run(build_application(options), name=APPLICATION, route_prefix="/",
                   logging_config={"enable_access_log": False})
     except RuntimeError as exc:
-        report_failure(PROGRAM, _startup_reason(exc, _deployment_message(serve)))
+        verdict.append(_startup_reason(exc, _deployment_message(serve)))
         return 1
     log.info("serving", extra={"uri": f"http://{worker.host}:{front.port}", "replicas": options.replicas,
                                "backend": options.backend, "local_cluster": options.ray_address is None})
