@@ -43,6 +43,15 @@ static inline __m256 scales8(const uint8_t *g) { return _mm256_cvtph_ps(_mm_load
 
 static inline __m256i step_at(const uint8_t *g) { return _mm256_loadu_si256((const __m256i *)g); }
 
+/* The sums sums[n][t] held in registers from one step to the next: an empty asm that takes each. Left to
+ * itself the compiler unrolled a block's steps, summed their products as a tree and kept the products (or a
+ * sum) in memory, each step waiting on a store: in every tile but the one it was first written for (one
+ * group of four rows), decoding's one or two rows in two groups included. Measured where it applies below. */
+static inline __attribute__((always_inline)) void hold(__m256i sums[2][TILE], int groups, int tile) {
+    for (int n = 0; n < groups; n++)
+        for (int t = 0; t < tile; t++) __asm__("" : "+x"(sums[n][t]));
+}
+
 /* The float sums of `groups` groups (1 or 2) and `tile` activation rows: set to zero; stored, group n's
  * row t at out[n] + t * ldo. */
 static inline __attribute__((always_inline)) void zero_sums(__m256 sums[2][TILE], int groups, int tile) {
@@ -91,10 +100,10 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
                         lanes[n][t] = _mm256_add_epi32(lanes[n][t], widen(pairs));
                     }
                 }
-                /* the four rows' sums held in registers, as in q4_k_groups: products of 64 and 512 rows (2048 x
-                 * 2048) 118 -> 126, 112 -> 126 GMAC/s */
-                if (groups == 1 && tile == TILE)
-                    __asm__("" : "+x"(lanes[0][0]), "+x"(lanes[0][1]), "+x"(lanes[0][2]), "+x"(lanes[0][3]));
+                /* the sums held in registers, as in q4_k_groups: products of 64 and 512 rows (2048 x 2048, Xeon)
+                 * 118 -> 126, 112 -> 126 GMAC/s; of every tile (one thread, Zen 4, in cache, alternating in one
+                 * process): one row 46.0 -> 47.4 GB/s, two 27.6 -> 29.1 */
+                hold(lanes, groups, tile);
             }
         } else if (groups == 1) { /* Q5_0: the low four bits in nibbles (steps 0-3 low, 4-7 high), the fifth in a
                                    * mask per step; one group's eight steps made once for the whole tile */
@@ -207,12 +216,13 @@ static inline __attribute__((always_inline)) void q4_k_groups(int64_t supers, in
                         odd[n][t] = _mm256_add_epi16(odd[n][t], _mm256_maddubs_epi16(hi[n], a_odd));
                     }
                 }
-                /* the eight sums held in registers (an empty asm that takes them all): left to itself the compiler
-                 * kept one in memory, and each step waited on its store. Products of 64 and 512 rows (Q4_K 2048 x
-                 * 2048, two threads, Xeon): 157 -> 170, 150 -> 159 GMAC/s. */
-                if (groups == 1 && tile == TILE)
-                    __asm__("" : "+x"(even[0][0]), "+x"(even[0][1]), "+x"(even[0][2]), "+x"(even[0][3]),
-                            "+x"(odd[0][0]), "+x"(odd[0][1]), "+x"(odd[0][2]), "+x"(odd[0][3]));
+                /* the sums held in registers: left to itself the compiler kept one in memory, and each step waited
+                 * on its store. Products of 64 and 512 rows (Q4_K 2048 x 2048, two threads, Xeon): 157 -> 170,
+                 * 150 -> 159 GMAC/s. Of every tile (5632 x 2048, one thread, Zen 4, in cache, alternating in one
+                 * process, same bits): one row 25.4 -> 28.0 and 26.0 -> 29.5 GB/s, two 16.8 -> 19.7, three
+                 * 12.7 -> 15.3. */
+                hold(even, groups, tile);
+                hold(odd, groups, tile);
             }
             for (int n = 0; n < groups; n++) {
                 __m256 scale[2], min[2];
@@ -306,9 +316,9 @@ static inline __attribute__((always_inline)) void q6_k_groups(int64_t supers, in
                     }
                 }
                 /* the four rows' sums held in registers, as in q4_k_groups: products of 64 and 512 rows (3072 x
-                 * 8192) 128 -> 137, 132 -> 144 GMAC/s */
-                if (groups == 1 && tile == TILE)
-                    __asm__("" : "+x"(dot[0][0]), "+x"(dot[0][1]), "+x"(dot[0][2]), "+x"(dot[0][3]));
+                 * 8192) 128 -> 137, 132 -> 144 GMAC/s. Not in the other tiles: one row lost 3-7% (2048 x 5632,
+                 * one thread, Zen 4). */
+                if (groups == 1 && tile == TILE) hold(dot, groups, tile);
             }
             for (int t = 0; t < tile; t++) {
                 const act_block *a = x[t] + s * 8 + b;
