@@ -32,13 +32,10 @@ static inline void q5_0_steps(const uint8_t *ga, const uint8_t *gb, __m512i v[8]
         v[c] = _mm512_and_si512(packed, low);
         v[c + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
     }
-    for (int c = 0; c < 8; c++) {
-        uint32_t fifth_a, fifth_b;
-        memcpy(&fifth_a, ga + 144 + 4 * c, 4);
-        memcpy(&fifth_b, gb + 144 + 4 * c, 4);
-        const __mmask64 fifth = _cvtu64_mask64((uint64_t)fifth_a | (uint64_t)fifth_b << 32);
-        v[c] = _mm512_mask_add_epi8(v[c], fifth, v[c], _mm512_set1_epi8(16));
-    }
+    const __m512i fifths = two_steps(ga + 144, gb + 144); /* step c's fifth bits at bit c of its bytes */
+    for (int c = 0; c < 8; c++)
+        v[c] = _mm512_mask_add_epi8(v[c], _mm512_test_epi8_mask(fifths, _mm512_set1_epi8((char)(1 << c))), v[c],
+                                    _mm512_set1_epi8(16));
 }
 
 /* A Q4_K_R8 super-block's 6-bit sub-block scales and minimums, both groups: [0] scales 0-3, [1]

@@ -43,6 +43,13 @@ static inline __m256 scales8(const uint8_t *g) { return _mm256_cvtph_ps(_mm_load
 
 static inline __m256i step_at(const uint8_t *g) { return _mm256_loadu_si256((const __m256i *)g); }
 
+/* Q5_0_R8: step c's fifth bits (bit c of each byte of `fifths`) as 16 in its bytes. A 16-bit shift moves bit c
+ * of both bytes to their bit 4; the mask drops what crossed from the neighbouring byte. */
+static inline __m256i fifth_of(__m256i fifths, int c) {
+    const __m256i placed = c <= 4 ? _mm256_slli_epi16(fifths, 4 - c) : _mm256_srli_epi16(fifths, c - 4);
+    return _mm256_and_si256(placed, _mm256_set1_epi8(0x10));
+}
+
 /* The sums sums[n][t] held in registers from one step to the next: an empty asm that takes each. Left to
  * itself the compiler unrolled a block's steps, summed their products as a tree and kept the products (or a
  * sum) in memory, each step waiting on a store: in every tile but the one it was first written for (one
@@ -113,11 +120,8 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
                 v[c] = _mm256_and_si256(packed, low);
                 v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
             }
-            for (int c = 0; c < 8; c++) {
-                uint32_t fifth;
-                memcpy(&fifth, g[0] + 144 + 4 * c, 4);
-                v[c] = _mm256_or_si256(v[c], bits_to_bit4(fifth));
-            }
+            const __m256i fifths = step_at(g[0] + 144);
+            for (int c = 0; c < 8; c++) v[c] = _mm256_or_si256(v[c], fifth_of(fifths, c));
             for (int t = 0; t < tile; t++) {
                 const act_block *a = x[t] + b;
                 __m256i sum = _mm256_set1_epi32(-16 * (a->sum[0] + a->sum[1]));
@@ -142,10 +146,8 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
                     __m256i v[2];
                     for (int n = 0; n < groups; n++) {
                         const __m256i packed = step_at(g[n] + 16 + 32 * (c % 4));
-                        uint32_t fifth;
-                        memcpy(&fifth, g[n] + 144 + 4 * c, 4);
                         v[n] = _mm256_or_si256(_mm256_and_si256(c < 4 ? packed : _mm256_srli_epi16(packed, 4), low),
-                                               bits_to_bit4(fifth));
+                                               fifth_of(step_at(g[n] + 144), c));
                     }
                     for (int t = 0; t < tile; t++) {
                         const __m256i a = four_bytes(x[t][b].q + 4 * c);

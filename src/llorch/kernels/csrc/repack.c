@@ -11,7 +11,10 @@
  *
  * Q8_0_R8 (272 bytes): the 8 float16 scales, then steps 0..7, each value + 128.
  * Q5_0_R8 (176): the 8 scales; 4 x 32 bytes whose low nibbles are steps 0..3 and high nibbles
- *   steps 4..7 (the low 4 bits of each value); then per step a 32-bit mask of the fifth bits.
+ *   steps 4..7 (the low 4 bits of each value); then the fifth bits as 32 bytes laid out as a step,
+ *   bit c of byte 4r + e the fifth bit of value 4c + e of row r: step c's fifth bits are one shift
+ *   and one mask of those bytes away, in place (where a 32-bit mask per step took six operations to
+ *   spread over a step's bytes without AVX-512's mask registers).
  * Q4_K_R8 (1152): the 8 scales d, the 8 minimum scales, the 12 packed scale bytes as three
  *   32-byte planes (bytes 0-3, 4-7, 8-11 of each row, [byte][row]); then per pair of
  *   sub-blocks, 8 steps whose low nibbles are the first sub-block and high nibbles the second
@@ -86,9 +89,8 @@ static void pack(int type, const uint8_t *const rows[ROWS], uint8_t *out) {
             case T_Q5_0_R8: {
                 memcpy(out + 2 * r, b, 2);
                 for (int c = 0; c < 4; c++) put32(&AT(out + 16, c, r, 0), u32_at(b + 6 + 4 * c));
-                /* Step c's 32-bit mask holds the fifth bits of values 4c..4c+3 of row r at bits 4r..4r+3. */
                 const uint32_t fifth = u32_at(b + 2);
-                for (int c = 0; c < QK / 4; c++) or32(out + 144 + 4 * c, ((fifth >> (4 * c)) & 15u) << (4 * r));
+                for (int y = 0; y < QK; y++) AT(out + 144, 0, r, y % 4) |= (uint8_t)(((fifth >> y) & 1u) << (y / 4));
                 break;
             }
             case T_Q4_K_R8:
@@ -126,7 +128,7 @@ static void unpack(int type, const uint8_t *group, int r, uint8_t *b) {
             break;
         case T_Q5_0_R8: {
             uint32_t qh = 0;
-            for (int y = 0; y < QK; y++) qh |= ((u32_at(group + 144 + 4 * (y / 4)) >> (4 * r + y % 4)) & 1) << y;
+            for (int y = 0; y < QK; y++) qh |= (uint32_t)((AT(group + 144, 0, r, y % 4) >> (y / 4)) & 1) << y;
             memcpy(b, group + 2 * r, 2);
             memcpy(b + 2, &qh, 4);
             for (int y = 0; y < 16; y++) b[6 + y] = AT(group + 16, y / 4, r, y % 4);
