@@ -14,7 +14,9 @@
  *   steps 4..7 (the low 4 bits of each value); then the fifth bits as 32 bytes laid out as a step,
  *   bit c of byte 4r + e the fifth bit of value 4c + e of row r: step c's fifth bits are one shift
  *   and one mask of those bytes away, in place (where a 32-bit mask per step took six operations to
- *   spread over a step's bytes without AVX-512's mask registers).
+ *   spread over a step's bytes without AVX-512's mask registers). Measured (Zen 4, two threads, in
+ *   cache, same bits): AVX2 one row 21.2 -> 27.3 GB/s, 512 rows 121 -> 143 GMAC/s; VNNI one row
+ *   46.8 -> 52.4 GB/s.
  * Q4_K_R8 (1152): the 8 scales d, the 8 minimum scales, the 12 packed scale bytes as three
  *   32-byte planes (bytes 0-3, 4-7, 8-11 of each row, [byte][row]); then per pair of
  *   sub-blocks, 8 steps whose low nibbles are the first sub-block and high nibbles the second
