@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
                 hold(lanes, groups, tile);
             }
         } else if (groups == 1) { /* Q5_0: the low four bits in nibbles (steps 0-3 low, 4-7 high), the fifth in a
-                                   * mask per step; one group's eight steps made once for the whole tile */
+                                   * bit plane (repack.c); one group's eight steps made once for the whole tile */
             __m256i v[8];
             for (int c = 0; c < 4; c++) {
                 const __m256i packed = step_at(g[0] + 16 + 32 * c);
@@ -138,6 +138,7 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
                 const act_block *a = x[t] + b;
                 for (int n = 0; n < groups; n++) lanes[n][t] = _mm256_set1_epi32(-16 * (a->sum[0] + a->sum[1]));
             }
+            const __m256i fifths[2] = {step_at(g[0] + 144), step_at(g[1] + 144)};
             for (int c0 = 0; c0 < 8; c0 += 4) { /* 16-bit sums of four steps: at most 4 x 2 x 31 x 127 */
                 __m256i pairs[2][TILE];
                 for (int n = 0; n < groups; n++)
@@ -147,7 +148,7 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
                     for (int n = 0; n < groups; n++) {
                         const __m256i packed = step_at(g[n] + 16 + 32 * (c % 4));
                         v[n] = _mm256_or_si256(_mm256_and_si256(c < 4 ? packed : _mm256_srli_epi16(packed, 4), low),
-                                               fifth_of(step_at(g[n] + 144), c));
+                                               fifth_of(fifths[n], c));
                     }
                     for (int t = 0; t < tile; t++) {
                         const __m256i a = four_bytes(x[t][b].q + 4 * c);
