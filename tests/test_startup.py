@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,8 +16,9 @@ import gguf
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import assert_one_line_failure, free_port, run_worker_to_exit, start_worker, stop_worker
+from conftest import Worker, assert_one_line_failure, free_port, run_worker_to_exit, start_worker, stop_worker
 from launch import worker_command
 
 pytestmark = pytest.mark.cpu
@@ -160,6 +162,44 @@ def test_kv_cache_budgets_that_cannot_hold_two_blocks_are_refused() -> None:
     # 0.56 MB: 1 MB holds only one.
     result = run_worker_to_exit("--kv-cache-mb", "1", "--dtype", "f32", "--dequantize")
     assert_one_line_failure(result, "--kv-cache-mb 1 is smaller than two KV blocks of this model")
+
+
+# The program's own path (programs.py -> workers.run_worker), stopped where it would begin serving.
+SERVE_AND_REPORT = """
+import asyncio, gc, sys
+import llorch.workers as workers
+
+async def serve(self, app):
+    if self.loading is not None:
+        await asyncio.to_thread(self.loading.wait)
+    print("collecting", gc.isenabled(), "frozen", gc.get_freeze_count())
+    return 0
+
+workers.Lifecycle.run = serve
+sys.argv = ["llorch-cpu-worker", "--port", "0", "--log-level", "warning"]
+from llorch.programs import cpu_main
+cpu_main()
+"""
+
+
+def test_the_worker_program_serves_with_the_collector_on() -> None:
+    """The program pauses Python's collector while it imports and loads (collector.py); by the time it
+    serves, collection runs again, or every reference cycle a request leaves would stay for the process's
+    life. What the start made is frozen: later collections do not scan it again."""
+    result = subprocess.run([sys.executable, "-c", SERVE_AND_REPORT],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    assert words[:2] == ["collecting", "True"], result.stdout
+    assert int(words[3]) > 10_000, result.stdout
+
+
+def test_metrics_give_the_process_figures(worker: Worker) -> None:
+    metrics = {sample.name: sample.value for family in text_string_to_metric_families(
+        httpx.get(f"{worker.base_url}/metrics").text) for sample in family.samples}
+    assert metrics["process_resident_memory_bytes"] > 100e6  # the weights and the libraries
+    assert metrics["process_cpu_seconds_total"] > 0
+    assert "python_gc_collections_total" in metrics
 
 
 @pytest.mark.parametrize("program", ["llorch-cpu-worker", "llorch-cuda-worker", "llorch-accelerate-worker"])

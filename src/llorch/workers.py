@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llorch.api.cors import parse_origins
+from llorch.collector import resume_collection
 from llorch.device import Backend, resolve_backend, verify_device
 from llorch.engine.config import (
     DEFAULT_CPU_KV_MB,
@@ -192,6 +193,9 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     from llorch.api.app import create_app
 
     app = create_app(state, settings.api_key, settings.origins, slots=settings.slots)
+    import uvicorn  # noqa: F401  (the last of the imports: Lifecycle.run serves with it)
+
+    resume_collection()
     worker_id = args.worker_id or f"{program}-{socket.gethostname()}-{os.getpid()}"
     lifecycle = Lifecycle(program, args, settings, backend, state, worker_id, process_start, loading)
     try:
@@ -393,14 +397,3 @@ class Lifecycle:
         assert self.server is not None
         self.server.should_exit = True
 
-
-def cpu_main() -> None:
-    sys.exit(run_worker("cpu"))
-
-
-def cuda_main() -> None:
-    sys.exit(run_worker("cuda"))
-
-
-def accelerate_main() -> None:
-    sys.exit(run_worker("accelerate"))

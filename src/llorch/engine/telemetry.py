@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, Info, ProcessCollector
 
 # Seconds; spans a fast GPU token to a slow CPU prefill.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
@@ -12,6 +12,10 @@ class Telemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The process's own figures, named as every Prometheus Python client names them: resident memory,
+        # CPU seconds, open files; and the garbage collector's work (paused while a worker starts: collector.py).
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter("llorch_requests", "Requests by outcome (an end reason, an error code, "
                                 "or a rejection before the job started)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("llorch_prompt_tokens", "Prompt tokens of accepted jobs", registry=r)
