@@ -315,9 +315,11 @@ class Lifecycle:
         args = self.args
         # The request limit and the idle-connection bound are ours (api/connections.py): uvicorn's
         # limit_concurrency counts idle connections, so slow clients could lock everyone out.
+        # No WebSocket protocol and no lifespan events: the API has neither, and their set-up (importing a
+        # WebSocket library) came on the start's path.
         config = uvicorn.Config(RequestLimit(app, args.max_connections), host=args.host, port=args.port,
-                                http=guarded_protocol(args.max_connections), log_config=None, access_log=False,
-                                timeout_graceful_shutdown=5)
+                                http=guarded_protocol(args.max_connections), ws="none", lifespan="off",
+                                log_config=None, access_log=False, timeout_graceful_shutdown=5)
         server = self.server = uvicorn.Server(config)
 
         async def serve() -> None:

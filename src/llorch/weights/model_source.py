@@ -5,6 +5,7 @@ The torch decoder's loader (loader.py) and the C step's (native_loader.py) both 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gguf import GGML_QUANT_SIZES
-from tqdm import tqdm
 
 from llorch.errors import ModelFileError
 from llorch.kernels.blocks import file_type, row_bytes
@@ -111,16 +111,28 @@ def expected_weights(path: Path, config: ModelConfig, layouts: dict[str, int]) -
     return expected
 
 
+def progress_bar() -> Any:
+    """The loading bar a terminal shows, or None elsewhere (a worker started by a program), where the bar's
+    library is not imported at all: its import and its monitor thread came on the start's path."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc="loading weights", unit="tensor", leave=False)
+
+
 def read_beside_tokenizer(source: ModelSource, start: Callable[[Callable[[int, int], None]], Callable[[], Weights]],
                           progress: Callable[[int, int], None] | None) -> tuple[Tokenizer, Weights, float]:
     """`start(advance)` starts reading the weights and gives what waits for them; the tokenizer parses
     meanwhile. The tokenizer, the weights, and when their wait began (for weights_ready's log)."""
     started = time.perf_counter()
-    with tqdm(desc="loading weights", unit="tensor", disable=not sys.stderr.isatty(), leave=False) as bar:
+    bar = progress_bar()
+    with bar if bar is not None else contextlib.nullcontext():
 
         def advance(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
+            if bar is not None:
+                bar.total = total
+                bar.update(done - bar.n)
             if progress is not None:
                 progress(done, total)
 
