@@ -186,7 +186,7 @@ def run_worker(backend_name: str, argv: list[str] | None = None) -> int:
     state = WorkerState(backend=backend.name, device=str(backend.device))
     # A warm start loads while the web stack imports: its load is C calls that leave Python's lock (a first
     # start's conversion holds it for seconds, and loads once the server accepts, in Lifecycle.run).
-    loading = Loading(settings, backend, state) if warm else None
+    loading = Loading(settings, backend, state, beside_imports=True) if warm else None
     # The web stack and the event loop, imported while the arena faults in (and a warm start loads).
     import uvloop
 
@@ -240,8 +240,14 @@ def prepare_weights_memory(config: EngineConfig, device: str) -> bool:
     return start_warm_read(path)  # it prepares the arena too, unless the matrices' image maps instead
 
 
-def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
-    """Build the engine from the settings, start it and attach it to `state` (runs in a worker thread)."""
+def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState, beside_imports: bool) -> None:
+    """Build the engine from the settings, start it and attach it to `state` (runs in a worker thread).
+
+    `beside_imports`: a warm start's load, while the main thread imports the web stack. Its probe forward
+    (factory.prove_finite_logits) then leaves that thread a core: on as many threads as cores, the step's
+    threads and the importing one took turns, and a thread waiting for its core held the others at the
+    step's barriers (the 1.1B's probe of 16 tokens: 0.09 s alone, 0.18-0.54 s beside a busy Python thread
+    on 2 threads, 0.17-0.26 s on 1)."""
 
     def progress(done: int, total: int) -> None:
         state.loading_progress = done / total
@@ -250,7 +256,9 @@ def load_engine(settings: ServingSettings, backend: Backend, state: WorkerState)
     from llorch.weights.warm_read import drop_warm_read
 
     try:
-        engine = build_engine(settings.engine, backend.device, telemetry=state.telemetry, progress=progress)
+        probe_threads = max(kernels.threads() - 1, 1) if beside_imports and backend.device == "cpu" else None
+        engine = build_engine(settings.engine, backend.device, telemetry=state.telemetry, progress=progress,
+                              probe_threads=probe_threads)
     finally:
         drop_prepared_arena()
         drop_warm_read()
@@ -270,7 +278,7 @@ class Loading:
     ends takes its pool with it.
     """
 
-    def __init__(self, settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
+    def __init__(self, settings: ServingSettings, backend: Backend, state: WorkerState, beside_imports: bool) -> None:
         # What the load imports, imported here first: two threads importing the same modules at once
         # can deadlock on their import locks, and a warm start's load runs beside the web stack's imports.
         import multiprocessing.synchronize  # noqa: F401  (the chat template's helper process)
@@ -278,13 +286,14 @@ class Loading:
         import llorch.engine.factory  # noqa: F401
 
         self._failure: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(settings, backend, state), name="llorch-load",
+        self._thread = threading.Thread(target=self._run, args=(settings, backend, state, beside_imports),
+                                        name="llorch-load",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, settings: ServingSettings, backend: Backend, state: WorkerState) -> None:
+    def _run(self, settings: ServingSettings, backend: Backend, state: WorkerState, beside_imports: bool) -> None:
         try:
-            load_engine(settings, backend, state)
+            load_engine(settings, backend, state, beside_imports)
         except BaseException as exc:  # raised again by wait()
             self._failure.append(exc)
 
@@ -342,7 +351,7 @@ class Lifecycle:
         try:
             # After binding: a first start converts the model in Python for seconds, which would starve the
             # server's start of Python's lock.
-            loading = self.loading or Loading(self.settings, self.backend, self.state)
+            loading = self.loading or Loading(self.settings, self.backend, self.state, beside_imports=False)
             await asyncio.to_thread(loading.wait)
         except StartupError as exc:
             report_failure(self.program, str(exc))

@@ -141,13 +141,14 @@ def load_chat_template(path: str | None, loaded: LoadedModel) -> ChatTemplate:
         raise StartupError(f"{path or loaded.path}: {exc}") from exc
 
 
-def probe_logits(loaded: LoadedModel, ids: list[int], device: str) -> np.ndarray:
-    """Every row's logits (float32) of a forward over `ids` on a cache of its own."""
+def probe_logits(loaded: LoadedModel, ids: list[int], device: str, threads: int | None = None) -> np.ndarray:
+    """Every row's logits (float32) of a forward over `ids` on a cache of its own (the C step on `threads`,
+    by default all of the step's)."""
     native = loaded.native
     if native is not None:
         cache = allocate_kv(loaded.config, len(ids), None, None)
         layout = row_layout([ChunkSlots(0, len(ids), np.arange(len(ids), dtype=np.int64))])
-        return native.forward(ids, layout, [(layer.keys, layer.values) for layer in cache], kernel_threads())
+        return native.forward(ids, layout, [(layer.keys, layer.values) for layer in cache], threads or kernel_threads())
     import torch
 
     from llorch.models.step_batch import contiguous_step
@@ -159,8 +160,9 @@ def probe_logits(loaded: LoadedModel, ids: list[int], device: str) -> np.ndarray
         return loaded.model(torch.tensor(ids, dtype=torch.long, device=on), step, cache).float().cpu().numpy()
 
 
-def prove_finite_logits(loaded: LoadedModel, device: str) -> None:
-    """A forward over PROBE_TEXT on a cache of its own; StartupError when any of its logits is NaN or infinite.
+def prove_finite_logits(loaded: LoadedModel, device: str, threads: int | None = None) -> None:
+    """A forward over PROBE_TEXT on a cache of its own (on `threads` of the C step's, by default all);
+    StartupError when any of its logits is NaN or infinite.
 
     A model whose numbers overflow would otherwise load, then sample from NaN and answer
     every request for log-probabilities with numbers JSON cannot carry.
@@ -168,7 +170,7 @@ def prove_finite_logits(loaded: LoadedModel, device: str) -> None:
     ids = loaded.tokenizer.encode(PROBE_TEXT)[:PROBE_TOKENS]
     if not ids:
         return
-    logits = probe_logits(loaded, ids, device)
+    logits = probe_logits(loaded, ids, device, threads)
     finite = np.isfinite(logits)
     if bool(finite.all()):
         return
@@ -222,9 +224,10 @@ def draft_speculation(config: EngineConfig, target: ModelRunner, tokenizer: Toke
 
 
 def build_engine(config: EngineConfig, device: str | torch.device = "cpu", *, loaded: LoadedModel | None = None,
-                 telemetry: Telemetry | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> Engine:
-    """Load the model (unless `loaded` is given) and assemble its runner and engine, not yet started."""
+                 telemetry: Telemetry | None = None, progress: Callable[[int, int], None] | None = None,
+                 probe_threads: int | None = None) -> Engine:
+    """Load the model (unless `loaded` is given) and assemble its runner and engine, not yet started;
+    `probe_threads`: the C step's threads for the finite-logits probe (default: all of them)."""
     device = str(device)
     check_speculative_flags(config)
     telemetry = telemetry or Telemetry()
@@ -242,7 +245,7 @@ def build_engine(config: EngineConfig, device: str | torch.device = "cpu", *, lo
     shared_sandbox().start()  # the chat template's render process starts while the model loads
     if loaded is None:
         loaded = load_decoder(config, path or default_model_path(), device, kind, progress)
-    prove_finite_logits(loaded, device)
+    prove_finite_logits(loaded, device, probe_threads)
     release_freed_memory()  # before the KV pool is allocated, or it would reuse (and keep) the freed pages
     ctx_size = config.ctx_size or loaded.config.context_length
     if not 0 < ctx_size <= loaded.config.context_length:

@@ -42,7 +42,7 @@ class EngineReplica:
         try:
             backend = open_backend(settings)
             self.state = WorkerState(backend=backend.name, device=str(backend.device))
-            Loading(settings, backend, self.state).wait()
+            Loading(settings, backend, self.state, beside_imports=False).wait()
         except StartupError as exc:
             message = failure_line(program, str(exc))
             log.error(message)
