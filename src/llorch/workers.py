@@ -287,8 +287,7 @@ class Loading:
 
         self._failure: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, args=(settings, backend, state, beside_imports),
-                                        name="llorch-load",
-                                        daemon=True)
+                                        name="llorch-load", daemon=True)
         self._thread.start()
 
     def _run(self, settings: ServingSettings, backend: Backend, state: WorkerState, beside_imports: bool) -> None:
@@ -407,4 +406,3 @@ class Lifecycle:
             await asyncio.sleep(0.1)  # let the last terminal events reach their streams
         assert self.server is not None
         self.server.should_exit = True
-
