@@ -10,7 +10,8 @@ uncommitted changes), and llama.cpp through its Python bindings (llama_build.py)
 one greedy stream after a one-token prompt (the weight-bound case), in windows of WINDOW tokens
 in turn, a read probe (speed.py's) between every two windows; each window is held to the mean
 of the probes on either side of it. Reported per engine: the median tokens/s and the median
-fraction of the roofline (the file's tensor bytes per token at the probed bandwidth).
+fraction of the roofline (the file's tensor bytes a token reads, speed.file_bytes_per_token, at the
+probed bandwidth).
 
 With --http the change is to the path from the step to the socket: both builds run as workers
 and llama.cpp as llama-server (speed.py's flags), and each streams one greedy request of
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import models
-from speed import SHARE_WINDOW, ReadProbe, cpu_flags
+from speed import SHARE_WINDOW, ReadProbe, cpu_flags, file_bytes_per_token
 
 WINDOW = 16  # decode tokens per window, as speed.py's roofline windows
 HTTP_WINDOW = SHARE_WINDOW  # tokens per streamed request with --http, as speed.py's HTTP share
@@ -118,10 +119,8 @@ def start(engine: str, model: Path, tree: Path, args: argparse.Namespace) -> sub
 
 
 def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> list[str]:
-    from gguf import GGUFReader
-
     model = MODELS[label]()
-    file_bytes = sum(int(tensor.n_bytes) for tensor in GGUFReader(model).tensors)
+    file_bytes = file_bytes_per_token(model)
     engines = {name: start("llorch", model, tree, args) for name, tree in trees.items()}
     engines["llama.cpp"] = start("llama.cpp", model, HERE.parent, args)
     try:
@@ -146,7 +145,7 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
             if process.stdin is not None:
                 process.stdin.close()
             process.wait()
-    lines = [f"## {label}: {model.name}, {file_bytes / 1e6:.1f} MB of tensors; read bandwidth median "
+    lines = [f"## {label}: {model.name}, {file_bytes / 1e6:.1f} MB of tensors a token; read bandwidth median "
              f"{statistics.median(probes) / 1e9:.1f} ({min(probes) / 1e9:.1f}..{max(probes) / 1e9:.1f}) GB/s; "
              f"{args.windows} windows of {WINDOW} tokens each", "", "| engine | decode tok/s | of the roofline |",
              "|---|---|---|"]

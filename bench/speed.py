@@ -98,22 +98,28 @@ STARTS = "start-to-ready, warm, in turn"
 HIGHER_IS_BETTER = {"prefill_tok_s", "decode_tok_s"}
 
 
-def bytes_per_token(loaded: LoadedModel, model: Path) -> dict[str, int]:
-    """The weight bytes one decode token reads, each engine's from its own form of the file: every matrix
-    once, but a token embedding table of its own (not the output projection's too) gives the token one
-    row. Counting that whole table (36.9 of the 1.1B file's 667 MB) put every roofline row 6% high."""
-    def read(sizes: dict[str, int], rows: dict[str, int], table: str, head: str) -> int:
-        total = sum(sizes.values())
-        return total - sizes[table] + sizes[table] // rows[table] if head in sizes and table in sizes else total
+def once_per_token(sizes: dict[str, int], rows: dict[str, int], table: str, head: str) -> int:
+    """The bytes of these tensors (`sizes`, their `rows`) one decode token reads: every one once, but a token
+    embedding `table` of its own (where a `head` is the output projection) gives the token one row.
+    Counting that whole table (36.9 of the 1.1B file's 667 MB) put every roofline row 6% high."""
+    total = sum(sizes.values())
+    return total - sizes[table] + sizes[table] // rows[table] if head in sizes and table in sizes else total
 
+
+def file_bytes_per_token(model: Path) -> int:
+    """once_per_token of the file's own tensors: what llama.cpp reads a token."""
+    tensors = GGUFFile(model).tensors
+    return once_per_token({name: t.nbytes for name, t in tensors.items()},
+                          {name: t.shape[0] for name, t in tensors.items()}, "token_embd.weight", "output.weight")
+
+
+def bytes_per_token(loaded: LoadedModel, model: Path) -> dict[str, int]:
+    """once_per_token for each engine, from its own form of the file."""
     weights = loaded.model.weights
     ours = {name: weights[name].nbytes for name in loaded.model.types}
-    tensors = GGUFFile(model).tensors
-    theirs = {name: t.nbytes for name, t in tensors.items()}
-    return {"llorch": read(ours, {name: weights[name].shape[0] for name in ours}, "embed_tokens.weight",
-                           "lm_head.weight"),
-            "llama.cpp": read(theirs, {name: t.shape[0] for name, t in tensors.items()}, "token_embd.weight",
-                              "output.weight")}
+    return {"llorch": once_per_token(ours, {name: weights[name].shape[0] for name in ours}, "embed_tokens.weight",
+                                     "lm_head.weight"),
+            "llama.cpp": file_bytes_per_token(model)}
 
 
 def prompt_ids(loaded: LoadedModel) -> list[int]:
