@@ -116,24 +116,26 @@ def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(lib, qtype: Q) ->
                                together[start : start + size])
 
 
+@pytest.mark.parametrize("cols", [512, 2304])  # 2304: segments of 1024, 1024 and 256 values (csrc/llorch.h)
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
-    """Where a variant interleaves rows for speed, the values, the exact products and batch invariance stay."""
-    matrix = random_matrix(qtype, 48, 512, seed=4)
+def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtype: Q, cols: int) -> None:  # type: ignore[no-untyped-def]
+    """Where a variant interleaves rows for speed, the values, the exact products and batch invariance stay,
+    in one segment of a row or several."""
+    matrix = random_matrix(qtype, 48, cols, seed=4)
     layout = matrix.clone()
-    interleaved = blocks.repacked(layout, int(qtype), 512, lib=lib)
+    interleaved = blocks.repacked(layout, int(qtype), cols, lib=lib)
     if interleaved == int(qtype):
         assert torch.equal(layout, matrix)  # nothing to interleave for: the file's layout is kept
         return
     assert blocks.file_type(interleaved) == qtype and not torch.equal(layout, matrix)
-    assert torch.equal(blocks.dequantize_rows(layout, interleaved, 512, lib=lib),
-                       blocks.dequantize_rows(matrix, int(qtype), 512, lib=lib))
+    assert torch.equal(blocks.dequantize_rows(layout, interleaved, cols, lib=lib),
+                       blocks.dequantize_rows(matrix, int(qtype), cols, lib=lib))
     some = torch.tensor([47, 3, 8])
-    assert torch.equal(blocks.dequantize_rows(layout, interleaved, 512, some, lib=lib),
-                       blocks.dequantize_rows(matrix, int(qtype), 512, some, lib=lib))
-    weights = reference_weights(matrix, qtype, 512)
+    assert torch.equal(blocks.dequantize_rows(layout, interleaved, cols, some, lib=lib),
+                       blocks.dequantize_rows(matrix, int(qtype), cols, some, lib=lib))
+    weights = reference_weights(matrix, qtype, cols)
     for rows in (1, 3, 4, 16, 70):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 2
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 2
         exact = blocks.quantize_activations(x, lib=lib).double() @ weights.T
         ours = blocks.matmul(x, layout, interleaved, lib=lib)
         assert (ours.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
@@ -144,14 +146,35 @@ def test_an_interleaved_matrix_reads_and_multiplies_as_the_file_layout(lib, qtyp
     # the second half of a pair (with rows 8-15), and of the first 40 rows alone the group left over;
     # same bits.
     first_40 = matrix[:40].clone()
-    first_40_type = blocks.repacked(first_40, int(qtype), 512, lib=lib)
-    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(40))
+    first_40_type = blocks.repacked(first_40, int(qtype), cols, lib=lib)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(40))
     assert torch.equal(blocks.matmul(x, first_40, first_40_type, lib=lib),
                        blocks.matmul(x, layout, interleaved, lib=lib)[:, :40])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_matrix_wider_than_a_segment_gives_each_row_the_bits_of_one_pass(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
+    """A row's dot goes on from segment to segment in the order of one pass over the row: its bits are
+    those of the same weights in a matrix of one segment (the first 1024 values; then the whole row with
+    every value past them zero, which the segments after add nothing to)."""
+    matrix = random_matrix(qtype, 32, 2304, seed=6)
+    x = torch.randn(3, 2304, generator=torch.Generator().manual_seed(6))
+    x[:, 1024:] = 0.0
+    narrow = blocks.file_type(int(qtype))
+    bytes_1024 = blocks.row_bytes(int(narrow), 1024)
+    head = matrix[:, :bytes_1024].clone()
+    head_type = blocks.repacked(head, int(qtype), 1024, lib=lib)
+    wide = matrix.clone()
+    wide_type = blocks.repacked(wide, int(qtype), 2304, lib=lib)
+    if wide_type == int(qtype):
+        assert torch.equal(wide, matrix)  # nothing to interleave for: the file's layout is kept
+        return
+    assert torch.equal(blocks.matmul(x, wide, wide_type, lib=lib), blocks.matmul(x[:, :1024], head, head_type, lib=lib))
+
+
 @pytest.mark.skipif("amx" not in VARIANTS, reason="this CPU has no AMX")
-@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768)],
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768),
+                                             (Q.Q5_0, 2304), (Q.Q4_K, 2304)],
                          ids=lambda v: v.name if isinstance(v, Q) else str(v))
 def test_rows_computed_on_amx_get_the_bits_of_the_8_bit_dot_kernels(qtype: Q, cols: int) -> None:
     """AMX takes a product's rows 16 at a time and leaves the rest to the VNNI kernels: every row must
@@ -194,7 +217,8 @@ def test_a_prompts_rows_on_amx_bf16_are_the_files_product_to_bfloat16_rounding(q
 
 @pytest.mark.skipif("avx512-vnni" not in VARIANTS, reason="this CPU has no AVX-512 VNNI to compare with")
 @pytest.mark.parametrize("variant", [v for v in ("avx512", "avx2") if v in VARIANTS])
-@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768)],
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768),
+                                             (Q.Q8_0, 2304), (Q.Q4_K, 2304), (Q.Q6_K, 2304)],
                          ids=lambda v: v.name if isinstance(v, Q) else str(v))
 def test_the_interleaved_kernels_without_vnni_get_the_bits_of_the_vnni_ones(variant: str, qtype: Q, cols: int) -> None:
     """AVX2's pair products sum to the same exact integers as VNNI's dots, and the float operations after

@@ -81,7 +81,7 @@ def dequantize_rows(weight: Tensor, qtype: int, k: int, ids: Tensor | None = Non
     rows = range(weight.shape[0]) if ids is None else ids.tolist()
     out = torch.empty(len(rows), k, dtype=torch.float32)
     for i, row in enumerate(rows):
-        lib.llorch_matrix_row(int(qtype), weight.data_ptr(), k, row, out[i].data_ptr())
+        lib.llorch_matrix_row(int(qtype), weight.data_ptr(), weight.shape[0], k, row, out[i].data_ptr())
     return out
 
 

@@ -196,7 +196,7 @@ _SIGNATURES = {
     "llorch_mask_row": ([_P, _I64, _P, _I64], None),
     "llorch_sample_row": ([_P, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_float, ctypes.c_double], _I64),
     "llorch_sample_rows": ([_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _INT], None),
-    "llorch_matrix_row": ([_INT, _P, _I64, _I64, _P], None),
+    "llorch_matrix_row": ([_INT, _P, _I64, _I64, _I64, _P], None),
     "llorch_repacked_type": ([_INT, _I64], _INT),
     "llorch_repack": ([_INT, _P, _I64, _I64], _INT),
     "llorch_read_ranges": ([_INT, _I64, _P, _P, _P, _P], _I64),

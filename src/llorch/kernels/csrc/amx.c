@@ -84,11 +84,17 @@ static void configure(int k, int *configured_k) {
     *configured_k = k;
 }
 
-void llorch_amx_unpack_span(int type, const uint8_t *wa, const uint8_t *wb, int64_t s, int64_t blocks, span *out) {
+void llorch_amx_unpack_span(int type, const uint8_t *w, int64_t groups, int64_t k, int64_t group_a, int64_t group_b,
+                            int64_t s, span *out) {
     const __m512i low = _mm512_set1_epi8(0x0f);
+    const int is_k = type == T_Q4_K_R8 || type == T_Q6_K_R8;
+    const int64_t group_bytes = llorch_group_bytes(type), block_values = is_k ? QK_K : QK, blocks = k / QK;
+    /* the span's first block of each group: a span's blocks lie together (SEGMENT is whole spans) */
+    const int64_t first = is_k ? s : s * SUB;
+    const uint8_t *wa = w + llorch_block_at(group_bytes, block_values, groups, k, group_a, first);
+    const uint8_t *wb = w + llorch_block_at(group_bytes, block_values, groups, k, group_b, first);
     if (type == T_Q4_K_R8) {
-        const int64_t at = s * llorch_group_bytes(type);
-        const uint8_t *ga = wa + at, *gb = wb + at;
+        const uint8_t *ga = wa, *gb = wb;
         out->blocks = SUB;
         for (int p = 0; p < 4; p++) {
             for (int step = 0; step < 8; step++) {
@@ -106,8 +112,7 @@ void llorch_amx_unpack_span(int type, const uint8_t *wa, const uint8_t *wb, int6
         out->d = two_scales(ga, gb);
         out->dmin = two_scales(ga + 16, gb + 16);
     } else if (type == T_Q6_K_R8) {
-        const int64_t at = s * llorch_group_bytes(type);
-        const uint8_t *ga = wa + at, *gb = wb + at;
+        const uint8_t *ga = wa, *gb = wb;
         out->blocks = SUB;
         for (int blk = 0; blk < SUB; blk++) {
             const uint8_t *pa = ga + 144 + blk * 192, *pb = gb + 144 + blk * 192;
@@ -127,10 +132,9 @@ void llorch_amx_unpack_span(int type, const uint8_t *wa, const uint8_t *wb, int6
         }
         out->d = two_scales(ga, gb);
     } else { /* Q8_0_R8, Q5_0_R8: blocks of 32, each with its own scale */
-        const int64_t group_bytes = llorch_group_bytes(type), first = s * SUB;
         out->blocks = (int)(blocks - first < SUB ? blocks - first : SUB);
         for (int blk = 0; blk < out->blocks; blk++) {
-            const uint8_t *ga = wa + (first + blk) * group_bytes, *gb = wb + (first + blk) * group_bytes;
+            const uint8_t *ga = wa + blk * group_bytes, *gb = wb + blk * group_bytes;
             out->scale[blk] = two_scales(ga, gb);
             if (type == T_Q8_0_R8) {
                 for (int step = 0; step < 8; step++) {
@@ -274,18 +278,15 @@ static inline void scale_quarter(int type, const span *sp, const dots *c, const 
 static __thread void *chunk_spans;
 static __thread size_t chunk_capacity;
 
-void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, const amx_acts *x,
-                       int64_t tiles, float *out, int64_t ldo, int *configured_k) {
-    const int is_k = type == T_Q4_K_R8 || type == T_Q6_K_R8;
+void llorch_amx_groups(int type, const uint8_t *w, int64_t rows, int64_t k, int64_t ga, int64_t gb,
+                       const amx_acts *x, int64_t tiles, float *out, int64_t ldo, int *configured_k) {
     const int64_t blocks = k / QK, spans = (blocks + SUB - 1) / SUB;
-    const int64_t span_bytes = (is_k ? k / QK_K : blocks) * llorch_group_bytes(type);
-    const uint8_t *wa = w + ga * span_bytes, *wb = w + gb * span_bytes;
     float *out_a = out + 8 * ga, *out_b = out + 8 * gb;
     span *sp = llorch_grow(&chunk_spans, &chunk_capacity, sizeof(span) * (size_t)spans);
     if (sp == NULL) return; /* the step fails (alloc.c) */
     dots c[2][2 * SUB] __attribute__((aligned(64))); /* two spans' dots: one scaled while the next is made */
     configure(type == T_Q6_K_R8 ? 16 : 32, configured_k);
-    for (int64_t s = 0; s < spans; s++) llorch_amx_unpack_span(type, wa, wb, s, blocks, sp + s);
+    for (int64_t s = 0; s < spans; s++) llorch_amx_unpack_span(type, w, rows / 8, k, ga, gb, s, sp + s);
     /* One tile of rows at a time through every span, so that its outputs stay in cache; span s + 1's
      * dots are issued in parts between the parts of span s's scaling (see the top of this file). */
     for (int64_t t = 0; t < tiles; t++) {
@@ -318,8 +319,8 @@ void llorch_amx_pack_ws(const act_block *xq, int64_t tiles, int64_t blocks, cons
     (void)xq; (void)tiles; (void)blocks; (void)out;
 }
 
-void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, const amx_acts *x,
-                       int64_t tiles, float *out, int64_t ldo, int *configured_k) {
-    (void)type; (void)w; (void)k; (void)ga; (void)gb; (void)x; (void)tiles; (void)out; (void)ldo; (void)configured_k;
+void llorch_amx_groups(int type, const uint8_t *w, int64_t rows, int64_t k, int64_t ga, int64_t gb,
+                       const amx_acts *x, int64_t tiles, float *out, int64_t ldo, int *configured_k) {
+    (void)type; (void)w; (void)rows; (void)k; (void)ga; (void)gb; (void)x; (void)tiles; (void)out; (void)ldo; (void)configured_k;
 }
 #endif

@@ -63,13 +63,11 @@ static inline __m512i pairs(__m512 a, __m512 b) {
 
 /* Groups ga and gb (eight weight rows each) dequantized into B tiles, one per block of 32 values:
  * each weight as the file gives it (scale times value, less the minimum), rounded to bfloat16. */
-static void dequantize(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, bf16_tile *out) {
-    const int is_k = type == T_Q4_K_R8 || type == T_Q6_K_R8;
+static void dequantize(int type, const uint8_t *w, int64_t groups, int64_t k, int64_t ga, int64_t gb, bf16_tile *out) {
     const int64_t blocks = k / QK, spans = (blocks + SUB - 1) / SUB;
-    const int64_t span_bytes = (is_k ? k / QK_K : blocks) * llorch_group_bytes(type);
     span sp;
     for (int64_t s = 0; s < spans; s++) {
-        llorch_amx_unpack_span(type, w + ga * span_bytes, w + gb * span_bytes, s, blocks, &sp);
+        llorch_amx_unpack_span(type, w, groups, k, ga, gb, s, &sp);
         for (int blk = 0; blk < sp.blocks; blk++) {
             uint16_t(*tile)[32] = out[s * SUB + blk];
             __m512 scales[2], offset = _mm512_setzero_ps(); /* each half block's scale */
@@ -150,7 +148,7 @@ static void unit(const matrix *W, int64_t first, int64_t groups, const uint16_t 
     for (int half = 0; half < 2; half++) {
         const int64_t ga = first + 2 * half < last ? first + 2 * half : first, gb = ga + 1 < last ? ga + 1 : ga;
         cols[half] = first + 2 * half >= last ? 0 : gb > ga ? 16 : 8;
-        dequantize(W->type, W->data, k, ga, gb, b + half * blocks);
+        dequantize(W->type, W->data, n / 8, k, ga, gb, b + half * blocks);
     }
     configure();
     for (int64_t t = 0; t < tiles; t += 2) {

@@ -224,7 +224,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #endif
         for (int64_t r = 0; r < R; r++) {
             const matrix *E = M->embed;
-            llorch_matrix_row(E->type, E->data, H, S->tokens[r], x + r * H);
+            llorch_matrix_row(E->type, E->data, E->rows, H, S->tokens[r], x + r * H);
             if (M->embed_scale != 0.0f) for (int64_t i = 0; i < H; i++) x[r * H + i] *= M->embed_scale;
             if (M->layers > 0) attention_input(M, M->layer, x + r * H, h + r * H, r, first_quantized, xq);
         }

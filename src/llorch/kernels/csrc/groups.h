@@ -86,9 +86,10 @@ typedef struct {
     int blocks;                                         /* blocks of 32 in this span (<= SUB) */
 } span;
 
-/* Super-block s of the groups at wa, wb (bytes of one group block each) into tile form (amx.c):
- * signed values, the layout's offset taken out. */
-void llorch_amx_unpack_span(int type, const uint8_t *wa, const uint8_t *wb, int64_t s, int64_t blocks, span *out);
+/* Span s (256 values) of groups group_a and group_b of the interleaved matrix at w (`groups` groups of
+ * k values) into tile form (amx.c): signed values, the layout's offset taken out. */
+void llorch_amx_unpack_span(int type, const uint8_t *w, int64_t groups, int64_t k, int64_t group_a, int64_t group_b,
+                            int64_t s, span *out);
 #endif
 #endif
 

@@ -38,6 +38,13 @@ static inline __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t *four) 
     return acc;
 }
 
+/* Where a product goes on from the segments before (carry), each output's value so far, in store_pair's
+ * lanes (a group that ran alone: its eight values in both halves); else zeros. */
+static inline __m512 start_pair(const float *out_a, const float *out_b, int carry) {
+    if (!carry) return _mm512_setzero_ps();
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(out_a)), _mm256_loadu_ps(out_b), 1);
+}
+
 /* Lanes 0-7 are group a's rows, 8-15 group b's (not stored when a group ran alone, as both halves). */
 static inline void store_pair(float *out_a, float *out_b, __m512 v) {
     _mm256_storeu_ps(out_a, _mm512_castps512_ps256(v));
@@ -54,9 +61,9 @@ static inline void store_pair(float *out_a, float *out_b, __m512 v) {
 static inline __attribute__((always_inline)) void small_blocks_pair(int type, int64_t blocks, int64_t group_bytes,
                                                                   int32_t offset, const uint8_t *wa, const uint8_t *wb,
                                                                   const act_block *const *x, int tile, float *out_a,
-                                                                  float *out_b, int64_t ldo) {
+                                                                  float *out_b, int64_t ldo, int carry) {
     __m512 acc[TILE];
-    for (int t = 0; t < tile; t++) acc[t] = _mm512_setzero_ps();
+    for (int t = 0; t < tile; t++) acc[t] = start_pair(out_a + t * ldo, out_b + t * ldo, carry);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *ga = wa + b * group_bytes, *gb = wb + b * group_bytes;
         const __m512 d = two_scales(ga, gb);
@@ -90,9 +97,9 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
  * 45.5; four and sixteen rows unchanged. */
 static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int64_t group_bytes, const uint8_t *wa,
                                                           const uint8_t *wb, const act_block *const *x, int tile,
-                                                          float *out_a, float *out_b, int64_t ldo) {
+                                                          float *out_a, float *out_b, int64_t ldo, int carry) {
     __m512 total[TILE];
-    for (int t = 0; t < tile; t++) total[t] = _mm512_setzero_ps();
+    for (int t = 0; t < tile; t++) total[t] = start_pair(out_a + t * ldo, out_b + t * ldo, carry);
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *ga = wa + s * group_bytes, *gb = wb + s * group_bytes;
         const __m512i low = _mm512_set1_epi8(0x0f);
@@ -143,10 +150,10 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
  * 2048 x 5632 188 -> 199. */
 static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int64_t group_bytes, const uint8_t *wa,
                                                           const uint8_t *wb, const act_block *const *x, int tile,
-                                                          float *out_a, float *out_b, int64_t ldo) {
+                                                          float *out_a, float *out_b, int64_t ldo, int carry) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 total[TILE];
-    for (int t = 0; t < tile; t++) total[t] = _mm512_setzero_ps();
+    for (int t = 0; t < tile; t++) total[t] = start_pair(out_a + t * ldo, out_b + t * ldo, carry);
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *ga = wa + s * group_bytes, *gb = wb + s * group_bytes;
         __m512 acc[TILE];
@@ -183,31 +190,33 @@ static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int6
 
 static inline __attribute__((always_inline)) void small_blocks(int type, const uint8_t *w, int64_t k, int64_t ga,
                                                              int64_t gb, const act_block *const *x, int tile,
-                                                             float *out, int64_t ldo) {
+                                                             float *out, int64_t ldo, int carry) {
     const int64_t blocks = k / QK, group_bytes = llorch_group_bytes(type), span = blocks * group_bytes;
     const int32_t offset = type == T_Q8_0_R8 ? 128 : 16;
     small_blocks_pair(type, blocks, group_bytes, offset, w + ga * span, w + gb * span, x, tile, out + ROWS * ga,
-                      out + ROWS * gb, ldo);
+                      out + ROWS * gb, ldo, carry);
 }
 
 /* The K types (Q4_K_R8 and Q6_K_R8), per super-block of 256 values. */
 static inline __attribute__((always_inline)) void k_blocks(int type, const uint8_t *w, int64_t k, int64_t ga,
                                                          int64_t gb, const act_block *const *x, int tile, float *out,
-                                                         int64_t ldo) {
+                                                         int64_t ldo, int carry) {
     const int64_t supers = k / QK_K, group_bytes = llorch_group_bytes(type), span = supers * group_bytes;
     if (type == T_Q4_K_R8) {
-        q4_k_pair(supers, group_bytes, w + ga * span, w + gb * span, x, tile, out + ROWS * ga, out + ROWS * gb, ldo);
+        q4_k_pair(supers, group_bytes, w + ga * span, w + gb * span, x, tile, out + ROWS * ga, out + ROWS * gb, ldo,
+                  carry);
     } else {
-        q6_k_pair(supers, group_bytes, w + ga * span, w + gb * span, x, tile, out + ROWS * ga, out + ROWS * gb, ldo);
+        q6_k_pair(supers, group_bytes, w + ga * span, w + gb * span, x, tile, out + ROWS * ga, out + ROWS * gb, ldo,
+                  carry);
     }
 }
 
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
-                               const act_block *const *x, int tile, float *out, int64_t ldo) {
-#define Q8(n) small_blocks(T_Q8_0_R8, w, k, ga, gb, x, n, out, ldo)
-#define Q5(n) small_blocks(T_Q5_0_R8, w, k, ga, gb, x, n, out, ldo)
-#define Q4K(n) k_blocks(T_Q4_K_R8, w, k, ga, gb, x, n, out, ldo)
-#define Q6K(n) k_blocks(T_Q6_K_R8, w, k, ga, gb, x, n, out, ldo)
+                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry) {
+#define Q8(n) small_blocks(T_Q8_0_R8, w, k, ga, gb, x, n, out, ldo, carry)
+#define Q5(n) small_blocks(T_Q5_0_R8, w, k, ga, gb, x, n, out, ldo, carry)
+#define Q4K(n) k_blocks(T_Q4_K_R8, w, k, ga, gb, x, n, out, ldo, carry)
+#define Q6K(n) k_blocks(T_Q6_K_R8, w, k, ga, gb, x, n, out, ldo, carry)
     switch (type) {
         case T_Q8_0_R8: BY_TILE(Q8); break;
         case T_Q5_0_R8: BY_TILE(Q5); break;
@@ -218,7 +227,7 @@ void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga
 #elif !defined(LLORCH_AVX2) /* AVX2 without VNNI: interleaved_avx2.c */
 /* Without AVX2 no matrix is interleaved (llorch_repacked_type), so this is never called. */
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
-                               const act_block *const *x, int tile, float *out, int64_t ldo) {
-    (void)type; (void)w; (void)k; (void)ga; (void)gb; (void)x; (void)tile; (void)out; (void)ldo;
+                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry) {
+    (void)type; (void)w; (void)k; (void)ga; (void)gb; (void)x; (void)tile; (void)out; (void)ldo; (void)carry;
 }
 #endif

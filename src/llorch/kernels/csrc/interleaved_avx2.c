@@ -66,6 +66,13 @@ static inline __attribute__((always_inline)) void zero_sums(__m256 sums[2][TILE]
         for (int t = 0; t < tile; t++) sums[n][t] = _mm256_setzero_ps();
 }
 
+/* The sums where a product goes on from the segments before (carry): each output's value so far; else zeros. */
+static inline __attribute__((always_inline)) void start_sums(__m256 sums[2][TILE], float *const out[2], int64_t ldo,
+                                                           int groups, int tile, int carry) {
+    for (int n = 0; n < groups; n++)
+        for (int t = 0; t < tile; t++) sums[n][t] = carry ? _mm256_loadu_ps(out[n] + t * ldo) : _mm256_setzero_ps();
+}
+
 static inline __attribute__((always_inline)) void store_sums(float *const out[2], int64_t ldo, __m256 sums[2][TILE],
                                                            int groups, int tile) {
     for (int n = 0; n < groups; n++)
@@ -80,12 +87,13 @@ static inline __attribute__((always_inline)) void store_sums(float *const out[2]
 static inline __attribute__((always_inline)) void small_blocks_groups(int type, int64_t blocks, int64_t group_bytes,
                                                                     int groups, const uint8_t *ga, const uint8_t *gb,
                                                                     const act_block *const *x, int tile,
-                                                                    float *out_a, float *out_b, int64_t ldo) {
+                                                                    float *out_a, float *out_b, int64_t ldo,
+                                                                    int carry) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *const g0[2] = {ga, gb};
     float *const out[2] = {out_a, out_b};
     __m256 acc[2][TILE];
-    zero_sums(acc, groups, tile);
+    start_sums(acc, out, ldo, groups, tile, carry);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *g[2] = {g0[0] + b * group_bytes, g0[1] + b * group_bytes};
         __m256i lanes[2][TILE];
@@ -177,12 +185,12 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
 static inline __attribute__((always_inline)) void q4_k_groups(int64_t supers, int64_t group_bytes, int groups,
                                                             const uint8_t *ga, const uint8_t *gb,
                                                             const act_block *const *x, int tile, float *out_a,
-                                                            float *out_b, int64_t ldo) {
+                                                            float *out_b, int64_t ldo, int carry) {
     const __m256i low = _mm256_set1_epi8(0x0f), six = _mm256_set1_epi8(63), top = _mm256_set1_epi8(0x30);
     const uint8_t *const g0[2] = {ga, gb};
     float *const out[2] = {out_a, out_b};
     __m256 total[2][TILE];
-    zero_sums(total, groups, tile);
+    start_sums(total, out, ldo, groups, tile, carry);
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *g[2] = {g0[0] + s * group_bytes, g0[1] + s * group_bytes};
         /* the 6-bit scales and minimums, [0] scales 0-3, [1] 4-7, [2] minimums 0-3, [3] 4-7: [sub-block][row] */
@@ -275,12 +283,12 @@ static inline __m256i high_pair(__m256i plane, int p) {
 static inline __attribute__((always_inline)) void q6_k_groups(int64_t supers, int64_t group_bytes, int groups,
                                                             const uint8_t *ga, const uint8_t *gb,
                                                             const act_block *const *x, int tile, float *out_a,
-                                                            float *out_b, int64_t ldo) {
+                                                            float *out_b, int64_t ldo, int carry) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *const g0[2] = {ga, gb};
     float *const out[2] = {out_a, out_b};
     __m256 total[2][TILE];
-    zero_sums(total, groups, tile);
+    start_sums(total, out, ldo, groups, tile, carry);
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *g[2] = {g0[0] + s * group_bytes, g0[1] + s * group_bytes};
         __m256 acc[2][TILE];
@@ -343,28 +351,28 @@ static inline __attribute__((always_inline)) void q6_k_groups(int64_t supers, in
 /* Groups ga and gb of the matrix at w (`groups` of them: 1, ga alone, or 2), `tile` activation rows. */
 static inline __attribute__((always_inline)) void some_groups(int type, const uint8_t *w, int64_t k, int groups,
                                                             int64_t ga, int64_t gb, const act_block *const *x,
-                                                            int tile, float *out, int64_t ldo) {
+                                                            int tile, float *out, int64_t ldo, int carry) {
     const int64_t group_bytes = llorch_group_bytes(type);
     const int is_k = type == T_Q4_K_R8 || type == T_Q6_K_R8;
     const int64_t count = is_k ? k / QK_K : k / QK, span = count * group_bytes; /* super-blocks or blocks */
     const uint8_t *wa = w + ga * span, *wb = w + gb * span;
     float *out_a = out + ROWS * ga, *out_b = out + ROWS * gb;
-    if (type == T_Q4_K_R8) q4_k_groups(count, group_bytes, groups, wa, wb, x, tile, out_a, out_b, ldo);
-    else if (type == T_Q6_K_R8) q6_k_groups(count, group_bytes, groups, wa, wb, x, tile, out_a, out_b, ldo);
-    else small_blocks_groups(type, count, group_bytes, groups, wa, wb, x, tile, out_a, out_b, ldo);
+    if (type == T_Q4_K_R8) q4_k_groups(count, group_bytes, groups, wa, wb, x, tile, out_a, out_b, ldo, carry);
+    else if (type == T_Q6_K_R8) q6_k_groups(count, group_bytes, groups, wa, wb, x, tile, out_a, out_b, ldo, carry);
+    else small_blocks_groups(type, count, group_bytes, groups, wa, wb, x, tile, out_a, out_b, ldo, carry);
 }
 
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
-                               const act_block *const *x, int tile, float *out, int64_t ldo) {
+                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry) {
     if (gb != ga && tile <= 2) { /* the two groups together where one or two activation rows leave the registers */
-        if (tile == 1) some_groups(type, w, k, 2, ga, gb, x, 1, out, ldo);
-        else some_groups(type, w, k, 2, ga, gb, x, 2, out, ldo);
+        if (tile == 1) some_groups(type, w, k, 2, ga, gb, x, 1, out, ldo, carry);
+        else some_groups(type, w, k, 2, ga, gb, x, 2, out, ldo, carry);
         return;
     }
-#define GROUPS(n)                                                    \
-    do {                                                             \
-        some_groups(type, w, k, 1, ga, ga, x, n, out, ldo);          \
-        if (gb != ga) some_groups(type, w, k, 1, gb, gb, x, n, out, ldo); \
+#define GROUPS(n)                                                           \
+    do {                                                                    \
+        some_groups(type, w, k, 1, ga, ga, x, n, out, ldo, carry);          \
+        if (gb != ga) some_groups(type, w, k, 1, gb, gb, x, n, out, ldo, carry); \
     } while (0)
     BY_TILE(GROUPS);
 #undef GROUPS

@@ -216,8 +216,9 @@ int llorch_unpack_row(int type, const uint8_t *row, int64_t k, const unpacked_ro
 /* One row of any type these kernels read, as floats. */
 void llorch_dequantize_row(int type, const uint8_t *row, int64_t k, float *out);
 
-/* Row `r` of a matrix as floats, whatever its layout (interleaved types keep no row together). */
-void llorch_matrix_row(int type, const uint8_t *data, int64_t k, int64_t r, float *out);
+/* Row `r` of a matrix of `rows` rows as floats, whatever its layout (interleaved types keep no row
+ * together). */
+void llorch_matrix_row(int type, const uint8_t *data, int64_t rows, int64_t k, int64_t r, float *out);
 
 /* Interleaved layouts (repack.c): the type a matrix of `rows` rows of file type `type` is
  * best read in by these kernels (itself where none is faster), the bytes of one 8-row group
@@ -226,10 +227,33 @@ int llorch_repacked_type(int type, int64_t rows);
 int64_t llorch_group_bytes(int type);
 int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k);
 
+/* An interleaved matrix lies in segments of SEGMENT values of every row (the last one shorter where
+ * k is not a multiple): segment after segment, each its groups of eight rows one after another, each
+ * group its blocks; a matrix of SEGMENT values or fewer is one segment. Why: decoding goes through a
+ * matrix a segment at a time across all its rows (matmul.c), which reads the weights in one forward
+ * run as before, while the part of the activations that each group reads stays in the L1 cache
+ * beside them. Across all of k, every group pair streamed 18-50 KB of weights through L1 between two
+ * reads of the same activations, and a thread read memory slower. Measured decoding's products from
+ * memory (one thread, Zen 4, the same bytes in both layouts, alternating with a read probe): Q4_K
+ * 2048 x 5632 at 0.85 -> 1.13 and 0.85 -> 0.99 of the probe, 5632 x 2048 0.88 -> 1.19, Q6_K
+ * 2048 x 5632 0.64 -> 0.89 and 0.68 -> 1.16. */
+#define SEGMENT 1024
+
+/* Where block b (of block_values values) of group g lies in an interleaved matrix of `groups` groups
+ * of k values: bytes from its start. */
+static inline int64_t llorch_block_at(int64_t group_bytes, int64_t block_values, int64_t groups, int64_t k,
+                                      int64_t g, int64_t b) {
+    const int64_t per = SEGMENT / block_values, blocks = k / block_values, segment = b / per;
+    const int64_t here = blocks - segment * per < per ? blocks - segment * per : per;
+    return (segment * per * groups + g * here + b % per) * group_bytes;
+}
+
 /* Their kernels (interleaved.c): the weight rows of groups ga and gb (eight rows each; gb == ga
- * for a group computed alone) against `tile` (1..4) activation rows, into out[t * ldo + j]. */
+ * for a group computed alone) of a matrix of k values (one segment, or a matrix of one) against
+ * `tile` (1..4) activation rows, into out[t * ldo + j]; `carry`: each output goes on from the
+ * value out holds (the segments before), in the same order of operations as one pass. */
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
-                               const act_block *const *x, int tile, float *out, int64_t ldo);
+                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry);
 
 /* AMX (amx.c, the amx variant). Whether this process may use the tile registers (asked once), and
  * how many of m activation rows of a matrix of `type` the AMX kernel takes (a multiple of 16; 0 where
@@ -245,8 +269,8 @@ typedef struct {
 int llorch_amx_ready(void);
 int64_t llorch_amx_rows(int type, int64_t m);
 void llorch_amx_pack_ws(const act_block *xq, int64_t tiles, int64_t blocks, const amx_acts *out);
-void llorch_amx_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, const amx_acts *x,
-                       int64_t tiles, float *out, int64_t ldo, int *configured_k);
+void llorch_amx_groups(int type, const uint8_t *w, int64_t rows, int64_t k, int64_t ga, int64_t gb,
+                       const amx_acts *x, int64_t tiles, float *out, int64_t ldo, int *configured_k);
 
 /* AMX-BF16 (amx_bf16.c, the amx variant): a prompt's rows, weights and activations as bfloat16 with
  * float32 sums (not the 8-bit kernels' bits; the decoder gives it a prompt's own rows only). Whether it

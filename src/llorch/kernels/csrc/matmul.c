@@ -17,6 +17,7 @@
 _Static_assert(ROW_CHUNK == 2 * 8, "an interleaved matrix's chunk is two groups of eight rows (units below)");
 #define ACT_TILE 64   /* activation rows read against one unpacked weight row before moving on */
 #define DIRECT_TILE 4 /* activation rows the direct kernels take at once (direct.c) */
+#define SEGMENT_PASS_ROWS 16 /* fewer activation rows go through an interleaved matrix a segment at a time */
 
 /* Per-thread scratch for one unpacked weight row, grown as needed. */
 static __thread uint8_t *scratch_v;
@@ -132,61 +133,86 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
         if (acts.q && acts.d && acts.dsum) llorch_amx_pack_ws(xq, amx_rows / 16, blocks, &acts);
         else amx_rows = 0; /* the step fails (alloc.c); the other kernels still leave nothing unwritten */
     }
+    /* An interleaved matrix wider than a segment: each output goes on from segment to segment. Decoding's
+     * few rows go through the matrix a segment at a time, every chunk of rows in each (llorch.h says why);
+     * more rows take each chunk's segments in turn, each tile of rows's outputs carried in cache (carried
+     * through memory, the outputs of a prompt's 512 rows came and went once a segment: prefill lost 7%).
+     * The other types, and the rows AMX takes, take all of k in the first pass. */
+    int64_t segments = 1;
+    for (int i = 0; i < count; i++)
+        if (mats[i].type > REPACKED) segments = (k + SEGMENT - 1) / SEGMENT;
+    const int64_t passes = m < SEGMENT_PASS_ROWS ? segments : 1;
+    for (int64_t pass = 0; pass < passes; pass++) {
 #ifdef _OPENMP
-/* Guided: each thread first takes a long run of chunks, then ever shorter ones, so the thread
- * that memory serves faster takes more instead of waiting at the barrier for the other. Measured
- * decoding the 1.1B file (two threads, Zen 4, same process alternating): 38.5 -> 42.9 tok/s. */
+    /* Guided: each thread first takes a long run of chunks, then ever shorter ones, so the thread
+     * that memory serves faster takes more instead of waiting at the barrier for the other. Measured
+     * decoding the 1.1B file (two threads, Zen 4, same process alternating): 38.5 -> 42.9 tok/s. */
 #pragma omp for schedule(guided, 8)
 #endif
-    for (int64_t c = 0; c < first_chunk[count]; c++) {
-        const int which = matrix_of(first_chunk, c);
-        const matrix *W = mats + which;
-        const int64_t row_bytes = llorch_row_bytes(W->type, k), n = W->rows;
-        const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
-        const int is_float = is_float_type(W->type), is_signed = W->type == T_Q8_0;
-        const int interleaved = W->type > REPACKED, direct = llorch_has_direct(W->type);
-        /* Interleaved: chunk `unit` is groups unit and unit + half (eight rows each; a last odd group
-         * alone), so that a thread's consecutive chunks read two long runs of bytes, which the hardware
-         * prefetchers follow, instead of two short runs per chunk (groups 2u and 2u + 1, restarting
-         * every 18 KiB on a 2048-wide matrix). Measured decoding (one stream, two threads, Zen 4, same
-         * process alternating): the 1.1B file 35.8 -> 45.8 tok/s (gate and up 22 -> 31 GB/s), the 3B
-         * file 13.1 -> 15.7. Asking for the bytes ahead in software, every line or only each run's
-         * first ones, was slower than leaving it to the prefetchers here. */
-        const int64_t half = n / 8 / 2, unit = c - first_chunk[which];
-        const int64_t ga = unit < half ? unit : 2 * half, gb = unit < half ? unit + half : ga;
-        float *out = outs[which];
-        unpacked_row u = scratch_row(is_float || direct ? QK : k);
-        if (u.v == NULL) continue;
-        /* Sixteen activation rows at a time on AMX where the CPU has it; the rest below, same bits. */
-        const int64_t first_row = amx_rows > 0 ? llorch_amx_rows(W->type, m) : 0;
-        if (first_row > 0) llorch_amx_groups(W->type, W->data, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
-        for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
-            const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
-            if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
-                for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
-                    const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
-                    const act_block *rows[DIRECT_TILE];
-                    for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
-                    llorch_interleaved_groups(W->type, W->data, k, ga, gb, rows, tile, out + i * n, n);
+        for (int64_t c = 0; c < first_chunk[count]; c++) {
+            const int which = matrix_of(first_chunk, c);
+            const matrix *W = mats + which;
+            const int64_t row_bytes = llorch_row_bytes(W->type, k), n = W->rows;
+            const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
+            const int is_float = is_float_type(W->type), is_signed = W->type == T_Q8_0;
+            const int interleaved = W->type > REPACKED, direct = llorch_has_direct(W->type);
+            if (pass > 0 && !interleaved) continue;  /* done in the first */
+            /* Interleaved: chunk `unit` is groups unit and unit + half (eight rows each; a last odd group
+             * alone), so that a thread's consecutive chunks read two long runs of bytes, which the hardware
+             * prefetchers follow, instead of two short runs per chunk (groups 2u and 2u + 1, restarting
+             * every 18 KiB on a 2048-wide matrix). Measured decoding (one stream, two threads, Zen 4, same
+             * process alternating): the 1.1B file 35.8 -> 45.8 tok/s (gate and up 22 -> 31 GB/s), the 3B
+             * file 13.1 -> 15.7. Asking for the bytes ahead in software, every line or only each run's
+             * first ones, was slower than leaving it to the prefetchers here. */
+            const int64_t half = n / 8 / 2, unit = c - first_chunk[which];
+            const int64_t ga = unit < half ? unit : 2 * half, gb = unit < half ? unit + half : ga;
+            float *out = outs[which];
+            unpacked_row u = scratch_row(is_float || direct ? QK : k);
+            if (u.v == NULL) continue;
+            /* Sixteen activation rows at a time on AMX where the CPU has it; the rest below, same bits. */
+            const int64_t first_row = amx_rows > 0 ? llorch_amx_rows(W->type, m) : 0;
+            if (first_row > 0 && pass == 0)
+                llorch_amx_groups(W->type, W->data, n, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
+            const int is_k = W->type == T_Q4_K_R8 || W->type == T_Q6_K_R8;
+            const int64_t block_values = is_k ? QK_K : QK, group_bytes = llorch_group_bytes(W->type);
+            for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
+                const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
+                if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
+                    /* this pass's segment, or every segment in turn */
+                    const int64_t first_segment = passes > 1 ? pass : 0, end = passes > 1 ? pass + 1 : segments;
+                    for (int64_t segment = first_segment; segment < end; segment++) {
+                        /* the segment's bytes, values and first activation block */
+                        const uint8_t *w = W->data + llorch_block_at(group_bytes, block_values, n / 8, k, 0,
+                                                                     segment * (SEGMENT / block_values));
+                        const int64_t width = k - segment * SEGMENT < SEGMENT ? k - segment * SEGMENT : SEGMENT;
+                        for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
+                            const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
+                            const act_block *rows[DIRECT_TILE];
+                            for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks + segment * (SEGMENT / QK);
+                            llorch_interleaved_groups(W->type, w, width, ga, gb, rows, tile, out + i * n, n,
+                                                      segment > 0);
+                        }
+                    }
+                    continue;
                 }
-                continue;
-            }
-            if (direct) {  /* decoded in registers, four activation rows at a time */
-                for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
-                    const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
-                    const act_block *rows[DIRECT_TILE];
-                    for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
-                    llorch_direct_rows(W->type, W->data, row_bytes, j0, j1, k, rows, tile, out + i * n, n, i == 0);
+                if (direct) {  /* decoded in registers, four activation rows at a time */
+                    for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
+                        const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
+                        const act_block *rows[DIRECT_TILE];
+                        for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
+                        llorch_direct_rows(W->type, W->data, row_bytes, j0, j1, k, rows, tile, out + i * n, n, i == 0);
+                    }
+                    continue;
                 }
-                continue;
-            }
-            for (int64_t j = j0; j < j1; j++) {
-                const uint8_t *row = W->data + j * row_bytes;
-                if (is_float) {
-                    for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_float(W->type, row, x + i * k, k);
-                } else {
-                    llorch_unpack_row(W->type, row, k, &u);
-                    for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_unpacked(&u, xq + i * blocks, blocks, is_signed);
+                for (int64_t j = j0; j < j1; j++) {
+                    const uint8_t *row = W->data + j * row_bytes;
+                    if (is_float) {
+                        for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_float(W->type, row, x + i * k, k);
+                    } else {
+                        llorch_unpack_row(W->type, row, k, &u);
+                        for (int64_t i = i0; i < i1; i++)
+                            out[i * n + j] = dot_unpacked(&u, xq + i * blocks, blocks, is_signed);
+                    }
                 }
             }
         }

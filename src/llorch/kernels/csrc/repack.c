@@ -4,7 +4,8 @@
  *
  * Every layout holds exactly the file's bytes per block, in another order, so a matrix is
  * rearranged in place and its size is unchanged. A group is 8 rows x one block (32 values for
- * Q8_0 and Q5_0, 256 for the K types); the groups of rows 8g..8g+7 lie block after block.
+ * Q8_0 and Q5_0, 256 for the K types); the groups of rows 8g..8g+7 lie block after block, in
+ * segments of SEGMENT values (llorch.h says why and where each block lies).
  * Within a group, "a step" is 32 bytes: for rows r = 0..7, four consecutive values each
  * (byte 4r + e is value 4c + e of row r, for step c). Quantized values are stored unsigned
  * (what the instruction takes); the kernels take the offset back out with the activation sums.
@@ -156,41 +157,49 @@ static void unpack(int type, const uint8_t *group, int r, uint8_t *b) {
     }
 }
 
-/* In place: a group of eight rows holds the same bytes before and after (blocks x 8 x block bytes),
- * so each group is copied aside and packed back over itself. Copying the whole matrix instead cost
- * a transient as large as the vocabulary projection (170 MiB on the default model). 0, or -1 when
- * the per-thread copies cannot be allocated (nothing is changed then). */
+/* A group of eight rows holds the same bytes before and after (blocks x 8 x block bytes). In one
+ * segment (k <= SEGMENT) each group is copied aside and packed back over itself: copying the whole
+ * matrix instead cost a transient as large as the vocabulary projection (170 MiB on the default
+ * model, 640 values a row). Wider matrices scatter each group's blocks over the segments, so the
+ * whole matrix is copied aside first. 0, or -1 when the copies cannot be allocated (nothing is
+ * changed then). */
 int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k) {
-    const int64_t blocks = k / block_values(type), group = llorch_group_bytes(type), block_bytes = group / ROWS;
-    const int64_t span = blocks * group, groups = rows / ROWS;
+    const int64_t values = block_values(type), blocks = k / values, group = llorch_group_bytes(type);
+    const int64_t block_bytes = group / ROWS, span = blocks * group, groups = rows / ROWS;
+    const int whole = k > SEGMENT; /* the matrix copied aside, not group by group */
 #ifdef _OPENMP
     const int threads = omp_get_max_threads();
 #else
     const int threads = 1;
 #endif
-    uint8_t *copies = llorch_alloc((size_t)(span * threads));
+    uint8_t *copies = llorch_alloc((size_t)(span * (whole ? groups : threads)));
     if (copies == NULL) return -1;
+    if (whole) {
+        memcpy(copies, data, (size_t)(span * groups));
+        memset(data, 0, (size_t)(span * groups));
+    }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && groups > 1)
     for (int64_t g = 0; g < groups; g++) {
 #ifdef _OPENMP
-        uint8_t *copy = copies + (int64_t)omp_get_thread_num() * span;
+        uint8_t *copy = whole ? copies + g * span : copies + (int64_t)omp_get_thread_num() * span;
 #else
-        uint8_t *copy = copies;
+        uint8_t *copy = whole ? copies + g * span : copies;
 #endif
-        uint8_t *rows_here = data + g * span;
-        memcpy(copy, rows_here, (size_t)span);
-        memset(rows_here, 0, (size_t)span);
+        if (!whole) {
+            memcpy(copy, data + g * span, (size_t)span);
+            memset(data + g * span, 0, (size_t)span);
+        }
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *sources[ROWS];
             for (int r = 0; r < ROWS; r++) sources[r] = copy + (r * blocks + b) * block_bytes;
-            pack(type, sources, rows_here + b * group);
+            pack(type, sources, data + llorch_block_at(group, values, groups, k, g, b));
         }
     }
     free(copies);
     return 0;
 }
 
-void llorch_matrix_row(int type, const uint8_t *data, int64_t k, int64_t r, float *out) {
+void llorch_matrix_row(int type, const uint8_t *data, int64_t rows, int64_t k, int64_t r, float *out) {
     const int64_t group = llorch_group_bytes(type);
     if (group == 0) {
         llorch_dequantize_row(type, data + r * llorch_row_bytes(type, k), k, out);
@@ -199,7 +208,7 @@ void llorch_matrix_row(int type, const uint8_t *data, int64_t k, int64_t r, floa
     const int64_t values = block_values(type), blocks = k / values;
     uint8_t block[210];
     for (int64_t b = 0; b < blocks; b++) {
-        unpack(type, data + (r / ROWS * blocks + b) * group, (int)(r % ROWS), block);
+        unpack(type, data + llorch_block_at(group, values, rows / ROWS, k, r / ROWS, b), (int)(r % ROWS), block);
         llorch_dequantize_row(type - REPACKED, block, values, out + b * values);
     }
 }
