@@ -87,10 +87,9 @@ static void configure(int k, int *configured_k) {
 void llorch_amx_unpack_span(int type, const uint8_t *w, int64_t groups, int64_t k, int64_t group_a, int64_t group_b,
                             int64_t s, span *out) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const int is_k = type == T_Q4_K_R8 || type == T_Q6_K_R8;
-    const int64_t group_bytes = llorch_group_bytes(type), block_values = is_k ? QK_K : QK, blocks = k / QK;
+    const int64_t group_bytes = llorch_group_bytes(type), block_values = llorch_block_values(type), blocks = k / QK;
     /* the span's first block of each group: a span's blocks lie together (SEGMENT is whole spans) */
-    const int64_t first = is_k ? s : s * SUB;
+    const int64_t first = block_values == QK_K ? s : s * SUB;
     const uint8_t *wa = w + llorch_block_at(group_bytes, block_values, groups, k, group_a, first);
     const uint8_t *wb = w + llorch_block_at(group_bytes, block_values, groups, k, group_b, first);
     if (type == T_Q4_K_R8) {

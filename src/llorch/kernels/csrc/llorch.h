@@ -239,6 +239,9 @@ int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k);
  * 2048 x 5632 0.64 -> 0.89 and 0.68 -> 1.16. */
 #define SEGMENT 1024
 
+/* The values of one block of an interleaved type: a K-quant super-block, or 32. */
+static inline int64_t llorch_block_values(int type) { return type == T_Q4_K_R8 || type == T_Q6_K_R8 ? QK_K : QK; }
+
 /* Where block b (of block_values values) of group g lies in an interleaved matrix of `groups` groups
  * of k values: bytes from its start. */
 static inline int64_t llorch_block_at(int64_t group_bytes, int64_t block_values, int64_t groups, int64_t k,

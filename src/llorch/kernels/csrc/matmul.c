@@ -173,8 +173,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
             const int64_t first_row = amx_rows > 0 ? llorch_amx_rows(W->type, m) : 0;
             if (first_row > 0 && pass == 0)
                 llorch_amx_groups(W->type, W->data, n, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
-            const int is_k = W->type == T_Q4_K_R8 || W->type == T_Q6_K_R8;
-            const int64_t block_values = is_k ? QK_K : QK, group_bytes = llorch_group_bytes(W->type);
+            const int64_t block_values = llorch_block_values(W->type), group_bytes = llorch_group_bytes(W->type);
             for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
                 const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
                 if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */

@@ -40,7 +40,6 @@ int64_t llorch_group_bytes(int type) {
     }
 }
 
-static int64_t block_values(int type) { return type == T_Q4_K_R8 || type == T_Q6_K_R8 ? QK_K : QK; }
 
 int llorch_repacked_type(int type, int64_t rows) {
 #ifdef LLORCH_AVX2 /* the kernels: interleaved.c with VNNI, interleaved_avx2.c without */
@@ -164,7 +163,7 @@ static void unpack(int type, const uint8_t *group, int r, uint8_t *b) {
  * whole matrix is copied aside first. 0, or -1 when the copies cannot be allocated (nothing is
  * changed then). */
 int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k) {
-    const int64_t values = block_values(type), blocks = k / values, group = llorch_group_bytes(type);
+    const int64_t values = llorch_block_values(type), blocks = k / values, group = llorch_group_bytes(type);
     const int64_t block_bytes = group / ROWS, span = blocks * group, groups = rows / ROWS;
     const int whole = k > SEGMENT; /* the matrix copied aside, not group by group */
 #ifdef _OPENMP
@@ -205,7 +204,7 @@ void llorch_matrix_row(int type, const uint8_t *data, int64_t rows, int64_t k, i
         llorch_dequantize_row(type, data + r * llorch_row_bytes(type, k), k, out);
         return;
     }
-    const int64_t values = block_values(type), blocks = k / values;
+    const int64_t values = llorch_block_values(type), blocks = k / values;
     uint8_t block[210];
     for (int64_t b = 0; b < blocks; b++) {
         unpack(type, data + llorch_block_at(group, values, rows / ROWS, k, r / ROWS, b), (int)(r % ROWS), block);
