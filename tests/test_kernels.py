@@ -172,6 +172,24 @@ def test_a_matrix_wider_than_a_segment_gives_each_row_the_bits_of_one_pass(lib, 
     assert torch.equal(blocks.matmul(x, wide, wide_type, lib=lib), blocks.matmul(x[:, :1024], head, head_type, lib=lib))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_wide_product_has_the_same_bits_on_any_number_of_threads(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
+    """Decoding's few rows go through a wide matrix a segment at a time, the threads running on into the
+    next segment without waiting for each other (csrc/matmul.c): each chunk of rows still takes its
+    segments in order, so one thread, two, or more threads than cores give the same bits."""
+    rows, cols = 1024, 4352  # 64 chunks of 16 rows, in five segments (the last of 256 values)
+    matrix = random_matrix(qtype, rows, cols, seed=11)
+    layout = matrix.clone()
+    interleaved = blocks.repacked(layout, int(qtype), cols, lib=lib)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(11))
+    alone = blocks.matmul(x, layout, interleaved, lib=lib, threads=1)
+    for threads in (2, 3, 5):
+        for _ in range(3):  # the threads meet in another order each time
+            assert torch.equal(blocks.matmul(x, layout, interleaved, lib=lib, threads=threads), alone)
+    exact = blocks.quantize_activations(x, lib=lib).double() @ reference_weights(matrix, qtype, cols).T
+    assert (alone.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
 @pytest.mark.skipif("amx" not in VARIANTS, reason="this CPU has no AMX")
 @pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 640), (Q.Q5_0, 640), (Q.Q4_K, 768), (Q.Q6_K, 768),
                                              (Q.Q5_0, 2304), (Q.Q4_K, 2304)],

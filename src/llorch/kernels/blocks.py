@@ -85,9 +85,9 @@ def dequantize_rows(weight: Tensor, qtype: int, k: int, ids: Tensor | None = Non
     return out
 
 
-def matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None) -> Tensor:
+def matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None, threads: int | None = None) -> Tensor:
     """x [m, k] (float32) @ W.T for the GGUF-typed W [n, row_bytes], in float32 (block types
-    quantize x to int8 blocks of 32 first, see csrc/matmul.c)."""
+    quantize x to int8 blocks of 32 first, see csrc/matmul.c), on `threads` (default: torch's)."""
     import torch
 
     x = x.float().contiguous()
@@ -96,7 +96,7 @@ def matmul(x: Tensor, weight: Tensor, qtype: int, lib: ctypes.CDLL | None = None
     out = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(m * k // ACT_BLOCK * ACT_BLOCK_BYTES, dtype=torch.uint8)
     if (lib or library()).llorch_matmul(int(qtype), weight.data_ptr(), n, k, x.data_ptr(), scratch.data_ptr(), m,
-                                        out.data_ptr(), torch.get_num_threads()) != 0:
+                                        out.data_ptr(), threads or torch.get_num_threads()) != 0:
         raise MemoryError(f"the C matmul could not allocate its scratch for rows of {k} values")
     return out
 
