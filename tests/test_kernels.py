@@ -174,9 +174,9 @@ def test_a_matrix_wider_than_a_segment_gives_each_row_the_bits_of_one_pass(lib, 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_wide_product_has_the_same_bits_on_any_number_of_threads(lib, qtype: Q) -> None:  # type: ignore[no-untyped-def]
-    """Decoding's few rows go through a wide matrix a segment at a time, the threads running on into the
-    next segment without waiting for each other (csrc/matmul.c): each chunk of rows still takes its
-    segments in order, so one thread, two, or more threads than cores give the same bits."""
+    """Decoding's few rows go through a wide matrix a segment at a time, the threads sharing each segment's
+    chunks of rows between them (csrc/matmul.c): every chunk takes its segments in order whichever thread
+    takes it, so one thread, two, or more threads than cores give the same bits."""
     rows, cols = 1024, 4352  # 64 chunks of 16 rows, in five segments (the last of 256 values)
     matrix = random_matrix(qtype, rows, cols, seed=11)
     layout = matrix.clone()
