@@ -1,6 +1,7 @@
 """Two builds of llorch and llama.cpp decoding in turn, in one run: a change's before and after.
 
     python bench/builds.py --before REV [--after TREE] [--models 1b,3b] [--windows 40] [--threads N] [--http]
+                           [--context N]
 
 The machine's read bandwidth moves by half within seconds (neighbours on the host), so decode
 rates taken minutes apart, or in separate runs, do not compare. Here each engine is its own
@@ -11,7 +12,9 @@ one greedy stream after a one-token prompt (the weight-bound case), in windows o
 in turn, a read probe (speed.py's) between every two windows; each window is held to the mean
 of the probes on either side of it. Reported per engine: the median tokens/s and the median
 fraction of the roofline (the file's tensor bytes a token reads, speed.file_bytes_per_token, at the
-probed bandwidth).
+probed bandwidth). With --context N every engine first reads a prompt of N tokens, and decodes each
+window at the positions after it (the cache's positions from there on taken back before the next): decode
+at that context length, where attention reads N keys and values a layer for every token.
 
 With --http the change is to the path from the step to the socket: both builds run as workers
 and llama.cpp as llama-server (speed.py's flags), and each streams one greedy request of
@@ -42,11 +45,18 @@ MODELS = {"default": models.default_model, "1b": models.billion_model, "3b": mod
 HERE = Path(__file__).resolve().parent
 
 
-def serve(engine: str, model: str, window: int, windows: int, threads: int) -> None:
+def context_text() -> str:
+    """Ordinary English text of some 8,000 tokens: --context's prompts are its first N tokens."""
+    return " ".join(f"Item {i} of the inventory is a box of {i % 7 + 2} red apples." for i in range(600))
+
+
+def serve(engine: str, model: str, window: int, windows: int, threads: int, context: int) -> None:
     """An engine's side: load, say `ready`, then per line read decode `window` tokens and answer the seconds."""
     import speed
 
     tokens = window * (windows + 1) + 16  # positions the whole run decodes
+    if context > 1:  # every window at the same positions after the prompt
+        tokens = context + window + 16
     if engine == "llorch-prompt":  # --http's in-process side: every window at the same positions after the prompt
         import json
 
@@ -81,10 +91,14 @@ def serve(engine: str, model: str, window: int, windows: int, threads: int) -> N
 
         served = load_native(Path(model))
         speed.wait_for_images()
-        first = speed.prompt_ids(served)[:1]  # BOS: a one-token prompt, the weight-bound case
+        # BOS alone: a one-token prompt, the weight-bound case; or --context's prompt
+        first = speed.prompt_ids(served)[:1] if context <= 1 else served.tokenizer.encode(context_text())[:context]
+        if len(first) < context:
+            raise SystemExit(f"--context {context}: the prompt text has only {len(first)} tokens")
         build.set_threads(threads)
         runner, blocks = speed.decode_runner(served, tokens)
-        state = {"token": speed.greedy_token(runner, ChunkInput(first, 0, blocks, True)), "position": 1}
+        origin = {"token": speed.greedy_token(runner, ChunkInput(first, 0, blocks, True)), "position": len(first)}
+        state = dict(origin)
 
         def step() -> None:
             chunk = ChunkInput([state["token"]], state["position"], blocks, True)
@@ -94,14 +108,21 @@ def serve(engine: str, model: str, window: int, windows: int, threads: int) -> N
 
         llm = llama_build.bindings().Llama(model_path=model, n_ctx=tokens, n_threads=threads,
                                            n_threads_batch=threads, verbose=False)
-        llm.eval([llm.token_bos()])  # the same file's BOS: the prompt llorch's side decodes after
-        state = {"token": speed.llama_next_token(llm)}
+        # the same file's BOS: the prompt llorch's side decodes after; or --context's prompt, as many tokens
+        prompt = [llm.token_bos()] if context <= 1 else llm.tokenize(context_text().encode())[:context]
+        llm.eval(prompt)
+        origin = {"token": speed.llama_next_token(llm)}
+        state = dict(origin)
 
         def step() -> None:
             llm.eval([state["token"]])
             state["token"] = speed.llama_next_token(llm)
     print("ready", flush=True)
     for _ in sys.stdin:
+        if context > 1:  # back to the prompt's end: the window's positions again, its keys and values dropped
+            state.update(origin)
+            if engine != "llorch":
+                llm.n_tokens = len(prompt)  # the next eval takes the cache back to here
         started = time.perf_counter()
         for _ in range(window):
             step()
@@ -113,7 +134,7 @@ def start(engine: str, model: Path, tree: Path, args: argparse.Namespace) -> sub
     """An engine's process; llorch's imports the package from `tree`'s sources."""
     environment = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{HERE}"}
     command = [sys.executable, str(HERE / "builds.py"), "--serve", engine, "--model", str(model),
-               "--threads", str(args.threads), "--windows", str(args.windows)]
+               "--threads", str(args.threads), "--windows", str(args.windows), "--context", str(args.context)]
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment,
                             cwd=str(HERE))
 
@@ -147,7 +168,9 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
             process.wait()
     lines = [f"## {label}: {model.name}, {file_bytes / 1e6:.1f} MB of tensors a token; read bandwidth median "
              f"{statistics.median(probes) / 1e9:.1f} ({min(probes) / 1e9:.1f}..{max(probes) / 1e9:.1f}) GB/s; "
-             f"{args.windows} windows of {WINDOW} tokens each", "", "| engine | decode tok/s | of the roofline |",
+             f"{args.windows} windows of {WINDOW} tokens each"
+             + (f", each after a prompt of {args.context} tokens (the roofline counts the weights alone)"
+                if args.context > 1 else ""), "", "| engine | decode tok/s | of the roofline |",
              "|---|---|---|"]
     for name in engines:
         lines.append(f"| {name} | {statistics.median(rates[name]):.1f} ({min(rates[name]):.1f}.."
@@ -235,6 +258,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--http", action="store_true", help="the builds as workers, llama.cpp as llama-server")
+    parser.add_argument("--context", type=int, default=1, help="decode after a prompt of this many tokens")
     parser.add_argument("--serve", choices=("llorch", "llorch-prompt", "llama.cpp"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -244,7 +268,7 @@ def main() -> None:
         args.threads = physical_cores()
     if args.serve:
         window = HTTP_WINDOW if args.serve == "llorch-prompt" else WINDOW
-        serve(args.serve, args.model, window, args.windows, args.threads)
+        serve(args.serve, args.model, window, args.windows, args.threads, args.context)
         return
     if not args.before:
         parser.error("--before REV is required")

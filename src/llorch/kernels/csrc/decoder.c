@@ -149,6 +149,29 @@ static void best_rows(const step_desc *S, int64_t vocab, int teams, float *span_
     }
 }
 
+/* Attention's work item `item` of a step: row *r, KV head *g, over positions [*first, *last) (chunk by chunk of
+ * ATTN_CHUNK from the lowest visible one). Returns whether it has any (a row's chunks past its position have none). */
+static inline int item_span(const model_desc *M, const step_desc *S, const layer_desc *L, int64_t max_chunks,
+                            int64_t item, int64_t *r, int64_t *g, int64_t *first, int64_t *last) {
+    *r = item / (M->kv_heads * max_chunks);
+    *g = item / max_chunks % M->kv_heads;
+    const int64_t c = item % max_chunks, position = S->positions[*r];
+    const int64_t lowest = L->window > 0 && position + 1 > L->window ? position + 1 - L->window : 0;
+    *first = lowest + c * ATTN_CHUNK;
+    *last = *first + ATTN_CHUNK < position + 1 ? *first + ATTN_CHUNK : position + 1;
+    return *first < *last;
+}
+
+/* The next value of a count the step's threads share (attention's work items, one count per layer). */
+static inline int64_t claim(int64_t *count) {
+    int64_t taken;
+#ifdef _OPENMP
+#pragma omp atomic capture
+#endif
+    taken = (*count)++;
+    return taken;
+}
+
 /* -- the step ------------------------------------------------------------------------------------ */
 int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads) {
     const int64_t R = S->rows, H = M->hidden, HD = M->head_dim, NQ = M->heads * HD, NKV = M->kv_heads * HD;
@@ -178,7 +201,9 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     const int64_t spans = S->logit_rows_count * teams;
     float *best_max = llorch_alloc(sizeof(float) * (size_t)(spans > 0 ? spans : 1));
     int64_t *best_at = llorch_alloc(sizeof(int64_t) * (size_t)(spans > 0 ? spans : 1));
-    void *buffers[] = {x, h, q, k, v, attn, o, gate, up, parts, xq, rope_tables, all_scores, best_max, best_at, xb};
+    int64_t *claims = llorch_alloc(sizeof(int64_t) * (size_t)(M->layers > 0 ? M->layers : 1));
+    void *buffers[] = {x, h, q, k, v, attn, o, gate, up, parts, xq, rope_tables, all_scores, best_max, best_at, claims,
+                       xb};
     const int count = (int)(sizeof(buffers) / sizeof(buffers[0]));
     int missing = xb_values > 0 && xb == NULL;
     for (int i = 0; i < count - 1; i++) missing |= buffers[i] == NULL;
@@ -187,6 +212,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
         llorch_take_allocation_failure();
         return -1;
     }
+    for (int64_t l = 0; l < M->layers; l++) claims[l] = 0;
 
     const int64_t first_quantized = M->layers > 0 ? attention_quantized(M->layer, R, xb, S->prompt_from) : 0;
     const int64_t head_quantized = quantized_rows(M->head, 1, S->logit_rows_count, NULL, S->logit_rows_count);
@@ -265,24 +291,34 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             }
             PROFILE(PH_ROPE_CACHE);
 
-            /* attention: each row over its own visible positions, in fixed chunks of keys */
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-            for (int64_t item = 0; item < items; item++) {
-                const int64_t r = item / (M->kv_heads * max_chunks), g = item / max_chunks % M->kv_heads;
-                const int64_t c = item % max_chunks, position = S->positions[r];
-                const int64_t lowest = L->window > 0 && position + 1 > L->window ? position + 1 - L->window : 0;
-                const int64_t first = lowest + c * ATTN_CHUNK, last = first + ATTN_CHUNK < position + 1
-                                                                          ? first + ATTN_CHUNK : position + 1;
-                if (first >= last) continue;
+            /* attention: each row over its own visible positions, in fixed chunks of keys. Each thread takes
+             * one work item at a time (dynamic, as a shared count), and takes its next one before it computes
+             * this one, so that this one asks for the next one's keys and values as it goes (attention.c). */
+            int64_t mine = claim(claims + l);
+            attend_next ahead = {NULL, 0, 0, 0};
+            int asked = 0; /* whether `mine`'s keys and values were asked for during the item before */
+            while (mine < items) {
+                const int64_t next = claim(claims + l);
+                int64_t r, g, first, last;
+                item_span(M, S, L, max_chunks, mine, &r, &g, &first, &last);
                 /* its sequence's first row in the step reads the keys and values from memory; the rows
                  * after it (a prompt chunk's, speculative decoding's drafts) find them in the cache */
                 const int first_row = r == 0 || S->slot_start[r - 1] != S->slot_start[r];
-                llorch_attend_chunk(q + r * NQ, L->keys, L->values, g, group, HD, M->kv_heads, M->attn_scale,
-                                    S->slots + S->slot_start[r], first, last, scores, parts + item * part_size,
-                                    first_row);
+                int64_t next_r = 0;
+                const int then = next < items && item_span(M, S, L, max_chunks, next, &next_r, &ahead.g, &ahead.first,
+                                                           &ahead.last) &&
+                                 (next_r == 0 || S->slot_start[next_r - 1] != S->slot_start[next_r]);
+                ahead.slots = S->slots + S->slot_start[next_r];
+                if (first < last)
+                    llorch_attend_chunk_then(q + r * NQ, L->keys, L->values, g, group, HD, M->kv_heads, M->attn_scale,
+                                             S->slots + S->slot_start[r], first, last, scores, parts + mine * part_size,
+                                             first_row && !asked, then ? &ahead : NULL);
+                asked = then && first < last;
+                mine = next;
             }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
             PROFILE(PH_ATTEND);
             /* combine each head's chunks: the softmax over all its visible positions */
 #ifdef _OPENMP

@@ -305,6 +305,19 @@ void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_
                          int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots, int64_t first,
                          int64_t last, float *scores, float *part, int from_memory);
 
+/* The work item a thread takes after this one: KV head g over the positions [first, last) of slots. */
+typedef struct {
+    const int64_t *slots;
+    int64_t g, first, last;
+} attend_next;
+
+/* llorch_attend_chunk, asking for the `next` item's keys and values (into L2) a share at a time as this
+ * item's scores are computed, so that they arrive while it computes; `next` NULL: none. Same bits. */
+void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const uint16_t *values, int64_t g,
+                              int64_t group, int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots,
+                              int64_t first, int64_t last, float *scores, float *part, int from_memory,
+                              const attend_next *next);
+
 /* Activation rows -> act_blocks (k a multiple of 32). */
 void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out);
 
