@@ -20,7 +20,7 @@ class LayerDesc(ctypes.Structure):
         *((name, Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")),
         *((name, _P) for name in ("q_bias", "k_bias", "v_bias", "o_bias", "input_norm", "post_attn_norm",
                                   "pre_ffn_norm", "post_ffn_norm", "q_norm", "k_norm", "keys", "values")),
-        ("window", _I32), ("rope", _I32),
+        ("window", _I32), ("rope", _I32), ("kv_slots", _I64),
     ]
 
 

@@ -176,6 +176,8 @@ class NativeDecoder:
                 if keys.dtype != np.float16 or not keys.flags.c_contiguous or not values.flags.c_contiguous:
                     raise ValueError("the C step needs a contiguous float16 KV cache")
                 desc.keys, desc.values = keys.ctypes.data, values.ctypes.data
+                # the C step keeps its own layout in these buffers, [kv_heads, slots, head_dim] whatever their shape
+                desc.kv_slots = keys.size // (self.model.kv_heads * self.model.head_dim)
             self._bound_cache = [(keys, values) for keys, values in cache]  # held: their memory stays theirs
         rows = len(layout.logit_rows)
         logits = self._logits(rows)

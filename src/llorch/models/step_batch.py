@@ -1,7 +1,8 @@
 """The layout of one batched forward step over a KV cache of slots.
 
 Every layer stores keys and values as `[slots, kv_heads, head_dim]` (LayerKV; the
-engine allocates them, see llorch.engine.kv). A sequence's tokens live in slots
+engine allocates them, see llorch.engine.kv; the C step keeps its own layout in its
+buffers, [kv_heads, slots, head_dim]). A sequence's tokens live in slots
 scattered over the pool; a step says, for every new token, which slot it writes,
 and for every sequence, which slots its queries read.
 

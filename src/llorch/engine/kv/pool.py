@@ -36,11 +36,13 @@ def host_zeros(shape: tuple[int, ...]) -> np.ndarray:
 
 def allocate_kv(config: ModelConfig, slots: int, dtype: Any, device: torch.device | None,
                 zeroed: bool = False) -> list[LayerKV]:
-    """Keys and values of `slots` token slots for every layer: [slots, kv_heads, head_dim] each
-    (zeroed host arrays of HOST_KV_DTYPE, whatever `dtype`, for the device None)."""
+    """Keys and values of `slots` token slots for every layer: [slots, kv_heads, head_dim] each; for the
+    device None, zeroed host arrays of HOST_KV_DTYPE (whatever `dtype`) [kv_heads, slots, head_dim], the C
+    step's layout (kernels/csrc/attention.c says why)."""
     shape = (slots, config.num_kv_heads, config.head_dim)
     if device is None:
-        return [LayerKV(host_zeros(shape), host_zeros(shape)) for _ in range(config.num_layers)]
+        host = (config.num_kv_heads, slots, config.head_dim)
+        return [LayerKV(host_zeros(host), host_zeros(host)) for _ in range(config.num_layers)]
     import torch
 
     make = torch.zeros if zeroed else torch.empty  # empty: untouched pages cost no RSS

@@ -54,6 +54,7 @@ int64_t llorch_struct_layout(int which, int64_t *out) {
         FIELD(layer_desc, input_norm); FIELD(layer_desc, post_attn_norm); FIELD(layer_desc, pre_ffn_norm);
         FIELD(layer_desc, post_ffn_norm); FIELD(layer_desc, q_norm); FIELD(layer_desc, k_norm);
         FIELD(layer_desc, keys); FIELD(layer_desc, values); FIELD(layer_desc, window); FIELD(layer_desc, rope);
+        FIELD(layer_desc, kv_slots);
         break;
     case 2:
         out[n++] = sizeof(model_desc);

@@ -356,31 +356,38 @@ static inline int64_t gcd16(int64_t n) {
 void llorch_attend_chunk(const float *q_row, const uint16_t *keys, const uint16_t *values, int64_t g, int64_t group,
                          int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots, int64_t first,
                          int64_t last, float *scores, float *part, int from_memory) {
-    llorch_attend_chunk_then(q_row, keys, values, g, group, head_dim, kv_heads, scale, slots, first, last, scores, part,
-                             from_memory, NULL);
+    llorch_attend_chunk_then(q_row, keys, values, g, group, head_dim, kv_heads * head_dim, head_dim, scale, slots, first,
+                             last, scores, part, from_memory, NULL);
 }
 
 void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const uint16_t *values, int64_t g,
-                              int64_t group, int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots,
-                              int64_t first, int64_t last, float *scores, float *part, int from_memory,
-                              const attend_next *then) {
-    const int64_t count = last - first, stride = kv_heads * head_dim, units = count * group;
-    ahead next = {keys, values, slots, stride, 0, head_dim, 0, 0};
+                              int64_t group, int64_t head_dim, int64_t slot_stride, int64_t head_stride, float scale,
+                              const int64_t *slots, int64_t first, int64_t last, float *scores, float *part,
+                              int from_memory, const attend_next *then) {
+    const int64_t count = last - first, units = count * group;
+    ahead next = {keys, values, slots, slot_stride, 0, head_dim, 0, 0};
     if (then != NULL) {
         next.slots = then->slots + then->first;
-        next.offset = then->g * head_dim;
+        next.offset = then->g * head_stride;
         next.count = then->last - then->first;
     }
     const float *q = q_row + g * group * head_dim;
     const uint16_t *key_of[ATTN_CHUNK], *value_of[ATTN_CHUNK];
     for (int64_t p = 0; p < count; p++) {
-        key_of[p] = keys + slots[first + p] * stride + g * head_dim;
-        value_of[p] = values + slots[first + p] * stride + g * head_dim;
+        key_of[p] = keys + slots[first + p] * slot_stride + g * head_stride;
+        value_of[p] = values + slots[first + p] * slot_stride + g * head_stride;
     }
-    /* Every key and value of the chunk asked for into L2 at once: one head's rows lie a whole KV row
-     * apart (all the heads' values of a position are together), a pattern the prefetchers barely
-     * follow, and in decode they come from memory (the weights read since pushed them out of the
-     * cache). The loops below still ask AHEAD positions ahead into L1. Measured per work item from
+    /* The step's cache is [kv_heads, slots, head_dim]: a head's keys (and values) of a block of slots lie
+     * together, one run of bytes, where with all the heads of a slot together a work item read one
+     * head's short piece of every slot, a whole row of heads apart, which the prefetchers barely
+     * follow. Measured decoding after a prompt of 2048 tokens (two threads, Zen 4, the two builds in
+     * turn, three rounds of bench/step_profile.py): the 3B file's attention 17.8 / 18.1 / 18.0 -> 14.9 /
+     * 13.2 / 13.0 ms a token (the 1.1B file's, bound by its arithmetic, 4.7-5.3 either way); bench/builds.py
+     * --context 2048 beside llama.cpp, 3B 14.2 -> 15.3 tok/s (llama.cpp 11.4); prefill of 512 tokens
+     * 75-79 -> 83-84 tok/s (3B), 212-225 -> 229 (1.1B).
+     * Every key and value of the chunk asked for into L2 at once: in decode they come from memory (the
+     * weights read since pushed them out of the cache). The loops below still ask AHEAD positions ahead
+     * into L1. Measured per work item from
      * memory (1.1B's shape, one thread, Zen 4): 15.9 -> 12.4 us; the 1.1B file's attention at
      * 512 positions 2.4 -> 2.05 ms per token. The later rows of a sequence in one step read the keys
      * its first row just read: there the requests only cost instructions (the default model's

@@ -286,8 +286,10 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 }
                 rope(qr, M->heads, HD, cos_table + r * HD, sin_table + r * HD);
                 rope(kr, M->kv_heads, HD, cos_table + r * HD, sin_table + r * HD);
-                store_fp16(L->keys + S->write_slots[r] * NKV, kr, NKV);
-                store_fp16(L->values + S->write_slots[r] * NKV, vr, NKV);
+                for (int64_t g = 0; g < M->kv_heads; g++) {  /* the cache is [kv_heads, kv_slots, head_dim] */
+                    store_fp16(L->keys + (g * L->kv_slots + S->write_slots[r]) * HD, kr + g * HD, HD);
+                    store_fp16(L->values + (g * L->kv_slots + S->write_slots[r]) * HD, vr + g * HD, HD);
+                }
             }
             PROFILE(PH_ROPE_CACHE);
 
@@ -310,9 +312,9 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                                  (next_r == 0 || S->slot_start[next_r - 1] != S->slot_start[next_r]);
                 ahead.slots = S->slots + S->slot_start[next_r];
                 if (first < last)
-                    llorch_attend_chunk_then(q + r * NQ, L->keys, L->values, g, group, HD, M->kv_heads, M->attn_scale,
-                                             S->slots + S->slot_start[r], first, last, scores, parts + mine * part_size,
-                                             first_row && !asked, then ? &ahead : NULL);
+                    llorch_attend_chunk_then(q + r * NQ, L->keys, L->values, g, group, HD, HD, L->kv_slots * HD,
+                                             M->attn_scale, S->slots + S->slot_start[r], first, last, scores,
+                                             parts + mine * part_size, first_row && !asked, then ? &ahead : NULL);
                 asked = then && first < last;
                 mine = next;
             }

@@ -144,9 +144,10 @@ typedef struct {
     const float *pre_ffn_norm;    /* sandwich only: before the MLP */
     const float *post_ffn_norm;   /* sandwich only: on the MLP output */
     const float *q_norm, *k_norm; /* per-head norms, or NULL */
-    uint16_t *keys, *values;      /* float16 [slots, kv_heads, head_dim] */
+    uint16_t *keys, *values;      /* float16 [kv_heads, kv_slots, head_dim] (attention.c says why) */
     int32_t window;               /* attend to the last `window` positions only; 0: all */
     int32_t rope;                 /* which of the step's RoPE tables: 0 or 1 */
+    int64_t kv_slots;             /* the cache's token slots */
 } layer_desc;
 
 typedef struct {
@@ -297,7 +298,7 @@ int llorch_direct_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t j0
 void llorch_to_fp16(const float *src, int64_t n, uint16_t *dst);
 
 /* Attention (attention.c) of the `group` query heads sharing KV head g, for one row, over its
- * cached positions [first, last) (at most ATTN_CHUNK) of the float16 cache: writes each head's
+ * cached positions [first, last) (at most ATTN_CHUNK) of a float16 cache [slots, kv_heads, head_dim]: writes each head's
  * max score, weight sum and weighted values (not yet normalized) to part[group][head_dim + 2].
  * `scores` is scratch of group * ATTN_CHUNK floats. `from_memory`: the chunk's keys and values are
  * likely out of the cache (the first row of its sequence in a step), so ask for all of them first. */
@@ -311,12 +312,14 @@ typedef struct {
     int64_t g, first, last;
 } attend_next;
 
-/* llorch_attend_chunk, asking for the `next` item's keys and values (into L2) a share at a time as this
- * item's scores are computed, so that they arrive while it computes; `next` NULL: none. Same bits. */
+/* llorch_attend_chunk over a cache of any layout: slot s's key of head g at keys + s * slot_stride +
+ * g * head_stride (the step's: head_dim and kv_slots * head_dim); asking for the `next` item's keys and
+ * values (into L2) a share at a time as this item computes, so that they arrive meanwhile (`next` NULL:
+ * none). Same bits. */
 void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const uint16_t *values, int64_t g,
-                              int64_t group, int64_t head_dim, int64_t kv_heads, float scale, const int64_t *slots,
-                              int64_t first, int64_t last, float *scores, float *part, int from_memory,
-                              const attend_next *next);
+                              int64_t group, int64_t head_dim, int64_t slot_stride, int64_t head_stride, float scale,
+                              const int64_t *slots, int64_t first, int64_t last, float *scores, float *part,
+                              int from_memory, const attend_next *next);
 
 /* Activation rows -> act_blocks (k a multiple of 32). */
 void llorch_quantize_rows(const float *x, int64_t m, int64_t k, act_block *out);
