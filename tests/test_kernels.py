@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from pathlib import Path
@@ -310,6 +311,38 @@ def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group
     torch.testing.assert_close(part[:, 0].double(), best, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(part[:, 1].double(), weights.sum(dim=1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(part[:, 2:].double(), weights @ v, rtol=1e-5, atol=1e-4)
+
+
+class AttendNext(ctypes.Structure):  # llorch.h's attend_next: the item a thread takes after this one
+    _fields_ = [("slots", ctypes.c_void_p), ("g", ctypes.c_int64), ("first", ctypes.c_int64), ("last", ctypes.c_int64)]
+
+
+def test_a_work_item_over_the_steps_cache_layout_asking_for_the_next_gives_the_same_bits(lib) -> None:  # type: ignore[no-untyped-def]
+    """The step keeps its cache by head ([kv_heads, slots, head_dim]) and each work item asks for the next
+    one's keys and values as it goes: the same chunk read that way, with a next item or none, from memory
+    or not, gives exactly the bits of the slot-major entry."""
+    kv_heads, group, head_dim, count, g, first, scale = 3, 4, 64, 100, 2, 4, 0.125
+    rng = np.random.default_rng(11)
+    slots_total = first + count + 30
+    keys = rng.standard_normal((slots_total, kv_heads, head_dim), dtype=np.float32).astype(np.float16)
+    values = rng.standard_normal((slots_total, kv_heads, head_dim), dtype=np.float32).astype(np.float16)
+    q = rng.standard_normal(kv_heads * group * head_dim, dtype=np.float32)
+    slots = rng.permutation(slots_total).astype(np.int64)
+    scores = np.empty(group * 128, dtype=np.float32)
+    expected = np.full((group, head_dim + 2), np.nan, dtype=np.float32)
+    lib.llorch_attend_chunk(q.ctypes.data, keys.ctypes.data, values.ctypes.data, g, group, head_dim, kv_heads, scale,
+                            slots.ctypes.data, first, first + count, scores.ctypes.data, expected.ctypes.data, 1)
+    by_head_keys = np.ascontiguousarray(keys.transpose(1, 0, 2))
+    by_head_values = np.ascontiguousarray(values.transpose(1, 0, 2))
+    after = AttendNext(slots.ctypes.data, 0, 20, 120)  # another head's chunk, over other slots
+    for ahead in (None, ctypes.byref(after)):
+        for from_memory in (1, 0):
+            part = np.full((group, head_dim + 2), np.nan, dtype=np.float32)
+            lib.llorch_attend_chunk_then(q.ctypes.data, by_head_keys.ctypes.data, by_head_values.ctypes.data, g, group,
+                                         head_dim, head_dim, slots_total * head_dim, scale, slots.ctypes.data, first,
+                                         first + count, scores.ctypes.data, part.ctypes.data, from_memory, ahead)
+            assert np.array_equal(part, expected)
+    assert np.isfinite(expected).all()
 
 
 def test_every_variant_argmaxes_a_row_to_its_first_largest_value_or_first_nan(lib) -> None:  # type: ignore[no-untyped-def]

@@ -201,6 +201,8 @@ _SIGNATURES = {
     "llorch_repack": ([_INT, _P, _I64, _I64], _INT),
     "llorch_read_ranges": ([_INT, _I64, _P, _P, _P, _P], _I64),
     "llorch_attend_chunk": ([_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _I64, _P, _P, _INT], None),
+    "llorch_attend_chunk_then": ([_P, _P, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _I64, _I64, _P, _P,
+                                  _INT, _P], None),
     "llorch_to_fp16": ([_P, _I64, _P], None),
     "llorch_tok_new": ([_I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _INT], _P),
     "llorch_tok_free": ([_P], None),
