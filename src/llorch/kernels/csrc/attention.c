@@ -387,9 +387,8 @@ void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const ui
      * 75-79 -> 83-84 tok/s (3B), 212-225 -> 229 (1.1B).
      * Every key and value of the chunk asked for into L2 at once: in decode they come from memory (the
      * weights read since pushed them out of the cache). The loops below still ask AHEAD positions ahead
-     * into L1. Measured per work item from
-     * memory (1.1B's shape, one thread, Zen 4): 15.9 -> 12.4 us; the 1.1B file's attention at
-     * 512 positions 2.4 -> 2.05 ms per token. The later rows of a sequence in one step read the keys
+     * into L1. Measured per work item from memory (1.1B's shape, one thread, Zen 4): 15.9 -> 12.4 us;
+     * the 1.1B file's attention at 512 positions 2.4 -> 2.05 ms per token. The later rows of a sequence in one step read the keys
      * its first row just read: there the requests only cost instructions (the default model's
      * prefill of 512 tokens 1717 -> 1760 tok/s without them, Xeon, two threads, alternating in one
      * process). Asked for all at once, they still came while the item waited: so the item before on

@@ -149,17 +149,28 @@ static void best_rows(const step_desc *S, int64_t vocab, int teams, float *span_
     }
 }
 
-/* Attention's work item `item` of a step: row *r, KV head *g, over positions [*first, *last) (chunk by chunk of
- * ATTN_CHUNK from the lowest visible one). Returns whether it has any (a row's chunks past its position have none). */
-static inline int item_span(const model_desc *M, const step_desc *S, const layer_desc *L, int64_t max_chunks,
-                            int64_t item, int64_t *r, int64_t *g, int64_t *first, int64_t *last) {
-    *r = item / (M->kv_heads * max_chunks);
-    *g = item / max_chunks % M->kv_heads;
-    const int64_t c = item % max_chunks, position = S->positions[*r];
+/* Attention's work item of a step: row r, KV head g, over positions [first, last). */
+typedef struct {
+    int64_t r, g, first, last;
+} work_item;
+
+/* Work item `item` (chunk by chunk of ATTN_CHUNK from the row's lowest visible position); first == last where it
+ * has none (a row's chunks past its position). */
+static inline work_item item_span(const model_desc *M, const step_desc *S, const layer_desc *L, int64_t max_chunks,
+                                  int64_t item) {
+    work_item w = {item / (M->kv_heads * max_chunks), item / max_chunks % M->kv_heads, 0, 0};
+    const int64_t c = item % max_chunks, position = S->positions[w.r];
     const int64_t lowest = L->window > 0 && position + 1 > L->window ? position + 1 - L->window : 0;
-    *first = lowest + c * ATTN_CHUNK;
-    *last = *first + ATTN_CHUNK < position + 1 ? *first + ATTN_CHUNK : position + 1;
-    return *first < *last;
+    w.first = lowest + c * ATTN_CHUNK;
+    w.last = w.first + ATTN_CHUNK < position + 1 ? w.first + ATTN_CHUNK : position + 1;
+    if (w.last < w.first) w.last = w.first;
+    return w;
+}
+
+/* Whether row r is its sequence's first in the step: it reads the keys and values from memory; the rows after it
+ * (a prompt chunk's, speculative decoding's drafts) find them in the cache. */
+static inline int first_of_sequence(const step_desc *S, int64_t r) {
+    return r == 0 || S->slot_start[r - 1] != S->slot_start[r];
 }
 
 /* The next value of a count the step's threads share (attention's work items, one count per layer). */
@@ -297,26 +308,22 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
              * one work item at a time (dynamic, as a shared count), and takes its next one before it computes
              * this one, so that this one asks for the next one's keys and values as it goes (attention.c). */
             int64_t mine = claim(claims + l);
-            attend_next ahead = {NULL, 0, 0, 0};
-            int asked = 0; /* whether `mine`'s keys and values were asked for during the item before */
+            work_item w = mine < items ? item_span(M, S, L, max_chunks, mine) : (work_item){0, 0, 0, 0};
+            int asked = 0; /* whether `w`'s keys and values were asked for during the item before */
             while (mine < items) {
                 const int64_t next = claim(claims + l);
-                int64_t r, g, first, last;
-                item_span(M, S, L, max_chunks, mine, &r, &g, &first, &last);
-                /* its sequence's first row in the step reads the keys and values from memory; the rows
-                 * after it (a prompt chunk's, speculative decoding's drafts) find them in the cache */
-                const int first_row = r == 0 || S->slot_start[r - 1] != S->slot_start[r];
-                int64_t next_r = 0;
-                const int then = next < items && item_span(M, S, L, max_chunks, next, &next_r, &ahead.g, &ahead.first,
-                                                           &ahead.last) &&
-                                 (next_r == 0 || S->slot_start[next_r - 1] != S->slot_start[next_r]);
-                ahead.slots = S->slots + S->slot_start[next_r];
-                if (first < last)
-                    llorch_attend_chunk_then(q + r * NQ, L->keys, L->values, g, group, HD, HD, L->kv_slots * HD,
-                                             M->attn_scale, S->slots + S->slot_start[r], first, last, scores,
-                                             parts + mine * part_size, first_row && !asked, then ? &ahead : NULL);
-                asked = then && first < last;
+                const work_item after = next < items ? item_span(M, S, L, max_chunks, next) : (work_item){0, 0, 0, 0};
+                /* the next item's keys and values come from memory too: asked for as this one computes */
+                const int then = after.first < after.last && first_of_sequence(S, after.r);
+                const attend_next ahead = {S->slots + S->slot_start[after.r], after.g, after.first, after.last};
+                if (w.first < w.last)
+                    llorch_attend_chunk_then(q + w.r * NQ, L->keys, L->values, w.g, group, HD, HD, L->kv_slots * HD,
+                                             M->attn_scale, S->slots + S->slot_start[w.r], w.first, w.last, scores,
+                                             parts + mine * part_size, first_of_sequence(S, w.r) && !asked,
+                                             then ? &ahead : NULL);
+                asked = then && w.first < w.last;
                 mine = next;
+                w = after;
             }
 #ifdef _OPENMP
 #pragma omp barrier
