@@ -499,6 +499,9 @@ def test_decoder_reranker_scores_match_transformers(ours: LoadedModel, served: L
     assert np.ptp(expected) > 0.05
     quantized = make_engine(served, pooling="rank")
     try:
+        # one pair alone first: its prompt's blocks are then cached when the pairs arrive together, whatever
+        # order they are admitted in (submitted at once, they could all start before any block was shared)
+        pooled(quantized, [GenerationRequest("first", RERANK_QUERY, 0, pooled=True, pair=RERANK_DOCUMENTS[0])])
         blocks, _ = decoder_scores(quantized)
         assert quantized.telemetry.registry.get_sample_value("llorch_prefix_cache_hit_tokens_total") > 0
     finally:
