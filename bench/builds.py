@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import models
-from speed import SHARE_WINDOW, ReadProbe, cpu_flags, file_bytes_per_token
+from speed import SHARE_WINDOW, ReadProbe, bandwidth_table, cpu_flags, file_bytes_per_token, roofline_by_bandwidth
 
 WINDOW = 16  # decode tokens per window, as speed.py's roofline windows
 HTTP_WINDOW = SHARE_WINDOW  # tokens per streamed request with --http, as speed.py's HTTP share
@@ -151,6 +151,7 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
         probe = ReadProbe()
         rates: dict[str, list[float]] = {name: [] for name in engines}
         shares: dict[str, list[float]] = {name: [] for name in engines}
+        steady: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
         probes = [probe()]
         for _ in range(args.windows):
             for name, process in engines.items():
@@ -161,6 +162,7 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
                 probes.append(probe())
                 rates[name].append(rate)
                 shares[name].append(rate * file_bytes / ((probes[-2] + probes[-1]) / 2))
+                steady[name].append((probes[-2], probes[-1], shares[name][-1]))
     finally:
         for process in engines.values():
             if process.stdin is not None:
@@ -175,7 +177,9 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
     for name in engines:
         lines.append(f"| {name} | {statistics.median(rates[name]):.1f} ({min(rates[name]):.1f}.."
                      f"{max(rates[name]):.1f}) | {statistics.median(shares[name]):.0%} |")
-    return lines
+    table = bandwidth_table(roofline_by_bandwidth(steady), list(engines))
+    return [*lines, "", "of the roofline by the bandwidth each window ran at (median fraction, windows):", "", *table] \
+        if table else lines
 
 
 def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -> list[str]:

@@ -128,6 +128,38 @@ def prompt_ids(loaded: LoadedModel) -> list[int]:
     return loaded.tokenizer.encode(text)[:PROMPT_TOKENS]
 
 
+STEADY = 0.1  # a window whose two probes differ by at most this share of their mean ran at that bandwidth
+BAND_GB_S = 5  # the bandwidth bands of roofline_by_bandwidth
+
+
+def roofline_by_bandwidth(windows: dict[str, list[tuple[float, float, float]]]) -> dict[str, dict[str, Any]]:
+    """Each engine's roofline fractions by the bandwidth its windows ran at: (probe before, probe after, fraction)
+    per window, in bands of BAND_GB_S GB/s, of the windows whose two probes agree within STEADY (the host's
+    bandwidth held while they ran). Why: decode keeps closer to the bound when memory is slow than when it
+    is fast (the kernels' arithmetic hides under slow reads), so one median over a run mixes whatever bands
+    the host went through; by band, two runs or two builds compare where they overlap."""
+    bands: dict[int, dict[str, list[float]]] = {}
+    for name, rows in windows.items():
+        for before, after, fraction in rows:
+            mean = (before + after) / 2
+            if abs(before - after) <= STEADY * mean:
+                bands.setdefault(int(mean / 1e9 // BAND_GB_S * BAND_GB_S), {}).setdefault(name, []).append(fraction)
+    return {str(band): {name: {"median": statistics.median(values), "windows": len(values)}
+                        for name, values in engines.items()} for band, engines in sorted(bands.items())}
+
+
+def bandwidth_table(bands: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
+    """roofline_by_bandwidth as a table: per band, each engine's median fraction and its number of windows."""
+    if not bands:
+        return []
+    lines = ["| read bandwidth (steady windows) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for band, engines in bands.items():
+        cells = [f"{engines[name]['median']:.0%} ({engines[name]['windows']})" if name in engines else "-"
+                 for name in names]
+        lines.append(f"| {band}-{int(band) + BAND_GB_S} GB/s | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return {key: {"median": statistics.median(r[key] for r in runs), "min": min(r[key] for r in runs),
                   "max": max(r[key] for r in runs), "reps": len(runs)} for key in runs[0]}
@@ -330,6 +362,7 @@ def roofline_windows(loaded: LoadedModel, ids: list[int], sizes: dict[str, int],
         engines["llama.cpp"] = theirs
     probe = ReadProbe()
     runs: list[dict[str, float]] = []
+    steady: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
     before = probe()
     for _ in range(windows):
         run = {}
@@ -338,10 +371,11 @@ def roofline_windows(loaded: LoadedModel, ids: list[int], sizes: dict[str, int],
             rate = decode()
             after = probe()
             run[name] = rate / ((before + after) / 2)
+            steady[name].append((before, after, run[name]))
             probes.append(after)
             before = after
         runs.append({"bandwidth_gb_s": statistics.median(probes) / 1e9, **run})
-    return summarize(runs)
+    return {**summarize(runs), "by_bandwidth": roofline_by_bandwidth(steady)}
 
 
 def http_share(command: list[str], url: str, loaded: LoadedModel, ids: list[int], prompt: str,
@@ -627,6 +661,10 @@ def roofline(results: dict[str, Any], section: dict[str, Any]) -> list[str]:
                 f = windows[name]
                 lines.append(f"  - {name} (in-process): {f['median']:.0%} ({f['min']:.0%}..{f['max']:.0%}) of the "
                              "roofline")
+        table = bandwidth_table(windows.get("by_bandwidth", {}), [n for n in ("llorch", "llama.cpp") if n in windows])
+        if table:
+            lines += ["", "  by the bandwidth each window ran at (median fraction, windows):", "",
+                      *[f"  {line}" for line in table], ""]
     return lines
 
 
