@@ -24,8 +24,8 @@
 #define MAX_GROUP 64 /* query heads per KV head whose softmax runs side by side */
 #define AHEAD 8      /* positions whose keys or values are asked for before they are read */
 
-/* The next work item's keys and values, asked for into L2 a share at a time (ahead_to) while this item's
- * scores are computed. */
+/* A work item's keys and values, asked for into L2: the next item's a share at a time (ahead_to) while this
+ * item's scores are computed, or this item's own all at once. */
 typedef struct {
     const uint16_t *keys, *values;
     const int64_t *slots;
@@ -388,19 +388,17 @@ void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const ui
      * Every key and value of the chunk asked for into L2 at once: in decode they come from memory (the
      * weights read since pushed them out of the cache). The loops below still ask AHEAD positions ahead
      * into L1. Measured per work item from memory (1.1B's shape, one thread, Zen 4): 15.9 -> 12.4 us;
-     * the 1.1B file's attention at 512 positions 2.4 -> 2.05 ms per token. The later rows of a sequence in one step read the keys
-     * its first row just read: there the requests only cost instructions (the default model's
+     * the 1.1B file's attention at 512 positions 2.4 -> 2.05 ms per token. The later rows of a sequence
+     * in one step read the keys its first row just read: there the requests only cost instructions (the default model's
      * prefill of 512 tokens 1717 -> 1760 tok/s without them, Xeon, two threads, alternating in one
      * process). Asked for all at once, they still came while the item waited: so the item before on
      * the same thread asks for them as it computes its scores (`then`), and only a thread's first item
      * asks here. Measured decoding after a prompt of 2048 tokens (two threads, Zen 4, bench/step_profile.py,
      * the two builds in turn, three rounds): attention 4.80-5.38 -> 4.42-5.38 ms a token on the 1.1B
      * file, 18.6-19.5 -> 14.8-17.2 on the 3B. */
-    for (int64_t p = 0; from_memory && p < count; p++) {
-        for (int64_t i = 0; i < head_dim; i += 32) {
-            __builtin_prefetch(key_of[p] + i, 0, 2);
-            __builtin_prefetch(value_of[p] + i, 0, 2);
-        }
+    if (from_memory) {
+        ahead own = {keys, values, slots + first, slot_stride, g * head_stride, head_dim, count, 0};
+        ahead_to(&own, count);
     }
     for (int64_t p = 0; p < count && p < AHEAD; p++) prefetch_halves(key_of[p], head_dim);
     /* scores[p * group + h] = scale * q_h . key_p */
