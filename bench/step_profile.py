@@ -1,6 +1,7 @@
 """Where one decode step's time goes: milliseconds per phase, and the weight bytes per second of each projection.
 
     python bench/step_profile.py [--models 1b,3b] [--contexts 1,512] [--threads N] [--steps 48] [--skip-llama]
+                                 [--streams 1,8,16]
 
 The C step is built once more with LLORCH_PROFILE (kernels/csrc/profile.h): its first thread reads
 the clock after each phase's closing barrier, so a phase's time is its slowest thread's, waiting
@@ -10,6 +11,10 @@ context in the same run, through its Python bindings, for its time per token bes
 read bandwidth is speed.py's (a buffer far larger than the last-level cache); each projection's
 GB/s is its weight bytes over its time, and its share of that bandwidth is how close it runs to
 the roofline.
+With --streams S > 1, S streams decode together, one row each per step (a worker serving S clients at
+once, the aggregate's case: each weight read once a step for all rows): phases per step, tokens/s over
+all S, and GB/s of weights a step; llama.cpp's bindings decode one sequence, so its time is given for
+one stream only.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from llorch.host import physical_cores
 from llorch.kernels import build as kernels
 from llorch.kernels.blocks import row_bytes
 from llorch.weights.native_loader import load_native
-from speed import cpu_flags, greedy_token, memory_bandwidth_gb_s
+from speed import cpu_flags, memory_bandwidth_gb_s
 
 PHASES = ("setup", "norm", "q k v", "rope, cache", "attention", "combine", "o", "residual",
           "gate up", "activation", "down", "head")
@@ -64,29 +69,36 @@ def projection_bytes(native: object) -> dict[str, int]:
     return sizes
 
 
-def ours(path: Path, contexts: list[int], steps: int, lib: ctypes.CDLL) -> dict[int, tuple[float, np.ndarray]]:
-    """Per context: seconds per token and seconds per phase per token."""
+def ours(path: Path, contexts: list[int], steps: int, lib: ctypes.CDLL,
+         streams: int = 1) -> dict[int, tuple[float, np.ndarray]]:
+    """Per context: seconds per step and seconds per phase per step, `streams` rows a step."""
     loaded = load_native(path)
     native = loaded.native
     native.lib = lib  # the same model description, run by the profiling build
-    pool = (max(contexts) + steps + 8) // BLOCK_SIZE + 3
-    runner = ModelRunner(native, None, HOST_KV_DTYPE, pool * bytes_per_block(loaded.config, HOST_KV_DTYPE))
-    blocks = list(range(1, runner.kv.num_blocks))
+    per_stream = (max(contexts) + steps + 8) // BLOCK_SIZE + 2
+    runner = ModelRunner(native, None, HOST_KV_DTYPE,
+                         (per_stream * streams + 1) * bytes_per_block(loaded.config, HOST_KV_DTYPE))
+    tables = [list(range(1 + s * per_stream, 1 + (s + 1) * per_stream)) for s in range(streams)]
     prompt = [i % 1000 + 100 for i in range(max(contexts))]
     results = {}
 
-    def greedy(token: int, position: int) -> int:
-        return greedy_token(runner, ChunkInput([token], position, blocks, True))
+    def step(tokens: list[int], position: int) -> list[int]:
+        logits = runner.forward([ChunkInput([token], position, table, True)
+                                 for token, table in zip(tokens, tables, strict=True)])
+        best = runner.best_of(logits)
+        return list(best) if best is not None else [int(row.argmax()) for row in logits]
 
     for context in contexts:
-        runner.forward([ChunkInput(prompt[:context], 0, blocks, True)])
-        token = 5
+        for table in tables:
+            runner.forward([ChunkInput(prompt[:context], 0, table, True)])
+        # each stream its own token, so that the rows differ as clients' do
+        tokens = [5 + s for s in range(streams)]
         for i in range(4):  # warm
-            token = greedy(token, context + i)
+            tokens = step(tokens, context + i)
         take(lib)
         started = time.perf_counter()
         for i in range(steps):
-            token = greedy(token, context + 4 + i)
+            tokens = step(tokens, context + 4 + i)
         results[context] = ((time.perf_counter() - started) / steps, take(lib) / steps)
     results["bytes"] = projection_bytes(native)  # type: ignore[index]
     return results
@@ -111,11 +123,15 @@ def llama_cpp_seconds(path: Path, contexts: list[int], steps: int, threads: int)
 
 
 def report(label: str, context: int, step: float, phases: np.ndarray, sizes: dict[str, int], bandwidth: float,
-           theirs: float | None) -> list[str]:
-    lines = [f"### {label}, context {context}: {step * 1e3:.2f} ms per token ({1 / step:.1f} tok/s)"
-             + (f"; llama.cpp {theirs * 1e3:.2f} ms ({1 / theirs:.1f} tok/s), ours / theirs in speed "
-                f"{theirs / step:.2f}x" if theirs else ""), "",
-             "| phase | ms per token | share | weight MB | GB/s | of the read bandwidth |", "|---|---|---|---|---|---|"]
+           theirs: float | None, streams: int = 1) -> list[str]:
+    per = "token" if streams == 1 else "step"
+    head = (f"### {label}, context {context}: {step * 1e3:.2f} ms per token ({1 / step:.1f} tok/s)" if streams == 1
+            else f"### {label}, {streams} streams, context {context}: {step * 1e3:.2f} ms per step "
+                 f"({streams / step:.1f} tok/s over all)")
+    lines = [head + (f"; llama.cpp {theirs * 1e3:.2f} ms ({1 / theirs:.1f} tok/s), ours / theirs in speed "
+                     f"{theirs / step:.2f}x" if theirs else ""), "",
+             f"| phase | ms per {per} | share | weight MB | GB/s | of the read bandwidth |",
+             "|---|---|---|---|---|---|"]
     outside = step - phases.sum()
     for name, seconds in [*zip(PHASES, phases, strict=True), ("outside the C step", outside)]:
         size = sizes.get(name, 0)
@@ -123,7 +139,7 @@ def report(label: str, context: int, step: float, phases: np.ndarray, sizes: dic
             if size and seconds > 0 else " | | "
         lines.append(f"| {name} | {seconds * 1e3:.3f} | {seconds / step:.1%} | {weight} |")
     weights = sum(sizes.values())
-    lines += ["", f"weights {weights / 1e6:.1f} MB per token: {weights / step / 1e9:.1f} GB/s over the whole step, "
+    lines += ["", f"weights {weights / 1e6:.1f} MB per {per}: {weights / step / 1e9:.1f} GB/s over the whole step, "
               f"{weights / step / 1e9 / bandwidth:.0%} of the read bandwidth ({bandwidth:.1f} GB/s)", ""]
     return lines
 
@@ -135,8 +151,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--streams", default="1", help="comma-separated: streams decoding together")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
+    streams = [int(s) for s in args.streams.split(",")]
     kernels.set_threads(args.threads)
     torch.set_num_threads(args.threads)  # the bandwidth probe's sum
     lib = profile_library()
@@ -144,17 +162,19 @@ def main() -> None:
     print(f"threads {args.threads}; read bandwidth {bandwidth:.1f} GB/s; CPU flags: {cpu_flags()}\n")
     for label in args.models.split(","):
         path = MODELS[label]()
-        measured = ours(path, contexts, args.steps, lib)
+        measured = {count: ours(path, contexts, args.steps, lib, count) for count in streams}
         theirs: dict[int, float] = {}
-        if not args.skip_llama:
+        if not args.skip_llama and 1 in streams:
             try:
                 theirs = llama_cpp_seconds(path, contexts, args.steps, args.threads)
             except Exception as exc:  # a comparator that fails is reported, the rest still prints
                 print(f"llama.cpp failed: {exc}", file=sys.stderr)
-        for context in contexts:
-            step, phases = measured[context]
-            print("\n".join(report(f"{label} ({path.name})", context, step, phases, measured["bytes"],  # type: ignore[index]
-                                   bandwidth, theirs.get(context))))
+        for count, by_context in measured.items():
+            for context in contexts:
+                step, phases = by_context[context]
+                print("\n".join(report(f"{label} ({path.name})", context, step, phases,
+                                       by_context["bytes"],  # type: ignore[index]
+                                       bandwidth, theirs.get(context) if count == 1 else None, count)))
 
 
 if __name__ == "__main__":
