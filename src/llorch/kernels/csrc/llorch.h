@@ -256,7 +256,7 @@ static inline int64_t llorch_block_at(int64_t group_bytes, int64_t block_values,
  * for a group computed alone) of a matrix of k values (one segment, or a matrix of one) against
  * `tile` (1..4) activation rows, into out[t * ldo + j]; `carry`: each output goes on from the
  * value out holds (the segments before), in the same order of operations as one pass; `ahead`: how
- * many bytes past what they read the kernels ask for in both groups' runs (0: none; the VNNI kernels). */
+ * many bytes past what they read the kernels ask for in both groups' runs (0: none). */
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
                                const act_block *const *x, int tile, float *out, int64_t ldo, int carry,
                                int64_t ahead);

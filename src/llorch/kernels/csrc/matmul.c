@@ -183,7 +183,8 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
              * computes nothing asks memory for more (the prefetchers follow the reads that miss), so a step's
              * time was its time computing plus its time reading. Measured (two threads, Zen 5, same model,
              * alternating windows): 8 / 16 / 32 streams 1.50x / 1.26x / 1.09x on the 1.1B file, 1.49x / 1.26x /
-             * 1.10x on the default model, 1.53x / 1.23x (8 / 16) on the 3B. One tile streams the weights
+             * 1.10x on the default model, 1.53x / 1.23x (8 / 16) on the 3B; the AVX2 kernels on the 1.1B file
+             * 1.40x / 1.23x / 1.07x. One tile streams the weights
              * without a pause, and asking ahead made it slower (one stream 0.90x); a prompt's many rows are
              * bound by computing, not memory. */
             const int64_t ahead = m - first_row > DIRECT_TILE && m <= ACT_TILE ? AHEAD_BYTES : 0;
