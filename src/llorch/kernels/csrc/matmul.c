@@ -185,8 +185,8 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
              * plus its time reading; one tile of four rows computes long enough between reads for the same to
              * show. Measured (two threads, Zen 5, same model, alternating windows): 4 / 8 / 16 / 32 streams
              * 1.09-1.15x / 1.50x / 1.26x / 1.09x on the 1.1B file; the default model 1.07x / 1.49x / 1.26x /
-             * 1.10x; the 3B 1.09x / 1.53x / 1.23x (4 / 8 / 16); the AVX2 kernels on the 1.1B file 1.40x / 1.23x
-             * / 1.07x from 8. Fewer rows stream the weights fast enough for the prefetchers alone (asking ahead:
+             * 1.10x; the 3B 1.09x / 1.53x / 1.23x (4 / 8 / 16); the AVX2 kernels on the 1.1B file 1.16x /
+             * 1.40x / 1.23x / 1.07x. Fewer rows stream the weights fast enough for the prefetchers alone (asking ahead:
              * one stream 0.90x, two level, three 1.02-1.10x); a prompt's many rows are bound by computing. */
             const int64_t ahead = m - first_row >= AHEAD_ROWS && m <= ACT_TILE ? AHEAD_BYTES : 0;
             for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
