@@ -38,16 +38,6 @@ static inline __m512i dot_broadcast(__m512i acc, __m512i w, const int8_t *four) 
     return acc;
 }
 
-/* The weight bytes `ahead` past `at` in both groups' runs asked for now (ahead 0: none): how a product of
- * several activation rows keeps memory busy while it computes (matmul.c says when and why). */
-static inline void ask_ahead(const uint8_t *a, const uint8_t *b, int64_t ahead, int lines) {
-    if (!ahead) return;
-    for (int i = 0; i < lines; i++) {
-        __builtin_prefetch(a + ahead + 64 * i, 0, 3);
-        __builtin_prefetch(b + ahead + 64 * i, 0, 3);
-    }
-}
-
 /* Where a product goes on from the segments before (carry), each output's value so far, in store_pair's
  * lanes (a group that ran alone: its eight values in both halves); else zeros. */
 static inline __m512 start_pair(const float *out_a, const float *out_b, int carry) {
@@ -71,12 +61,15 @@ static inline void store_pair(float *out_a, float *out_b, __m512 v) {
 static inline __attribute__((always_inline)) void small_blocks_pair(int type, int64_t blocks, int64_t group_bytes,
                                                                   int32_t offset, const uint8_t *wa, const uint8_t *wb,
                                                                   const act_block *const *x, int tile, float *out_a,
-                                                                  float *out_b, int64_t ldo, int carry, int64_t ahead) {
+                                                                  float *out_b, int64_t ldo, int carry, int ahead) {
     __m512 acc[TILE];
     for (int t = 0; t < tile; t++) acc[t] = start_pair(out_a + t * ldo, out_b + t * ldo, carry);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *ga = wa + b * group_bytes, *gb = wb + b * group_bytes;
-        ask_ahead(ga, gb, ahead, (int)((group_bytes + 63) / 64));
+        if (ahead) {
+            prefetch_ahead(ga, group_bytes);
+            prefetch_ahead(gb, group_bytes);
+        }
         const __m512 d = two_scales(ga, gb);
         __m512i v[8];
         if (type == T_Q8_0_R8) {
@@ -109,7 +102,7 @@ static inline __attribute__((always_inline)) void small_blocks_pair(int type, in
 static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int64_t group_bytes, const uint8_t *wa,
                                                           const uint8_t *wb, const act_block *const *x, int tile,
                                                           float *out_a, float *out_b, int64_t ldo, int carry,
-                                                          int64_t ahead) {
+                                                          int ahead) {
     __m512 total[TILE];
     for (int t = 0; t < tile; t++) total[t] = start_pair(out_a + t * ldo, out_b + t * ldo, carry);
     for (int64_t s = 0; s < supers; s++) {
@@ -124,7 +117,10 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
             for (int t = 0; t < tile; t++) even[t] = odd[t] = _mm512_setzero_si512();
             for (int step = 0; step < 8; step++) {
                 const int64_t at = 128 + (8 * p + step) * 32;
-                if (step % 2 == 0) ask_ahead(ga + at, gb + at, ahead, 1);
+                if (ahead && step % 2 == 0) {
+                    prefetch_ahead(ga + at, 64);
+                    prefetch_ahead(gb + at, 64);
+                }
                 const __m512i packed = two_steps(ga + at, gb + at);
                 const __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_andnot_si512(low, packed);
                 for (int t = 0; t < tile; t++) {
@@ -164,7 +160,7 @@ static inline __attribute__((always_inline)) void q4_k_pair(int64_t supers, int6
 static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int64_t group_bytes, const uint8_t *wa,
                                                           const uint8_t *wb, const act_block *const *x, int tile,
                                                           float *out_a, float *out_b, int64_t ldo, int carry,
-                                                          int64_t ahead) {
+                                                          int ahead) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 total[TILE];
     for (int t = 0; t < tile; t++) total[t] = start_pair(out_a + t * ldo, out_b + t * ldo, carry);
@@ -174,7 +170,10 @@ static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int6
         for (int t = 0; t < tile; t++) acc[t] = _mm512_setzero_ps();
         for (int b = 0; b < 8; b++) {
             const uint8_t *pa = ga + 144 + b * 192, *pb = gb + 144 + b * 192;
-            ask_ahead(pa, pb, ahead, 3);
+            if (ahead) {
+                prefetch_ahead(pa, 192);
+                prefetch_ahead(pb, 192);
+            }
             const uint8_t *sa = ga + 16 + 16 * b, *sb = gb + 16 + 16 * b;
             const __m512 scale0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two_halves(sa, sb)));
             const __m512 scale1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(two_halves(sa + 8, sb + 8)));
@@ -205,7 +204,7 @@ static inline __attribute__((always_inline)) void q6_k_pair(int64_t supers, int6
 
 static inline __attribute__((always_inline)) void small_blocks(int type, const uint8_t *w, int64_t k, int64_t ga,
                                                              int64_t gb, const act_block *const *x, int tile,
-                                                             float *out, int64_t ldo, int carry, int64_t ahead) {
+                                                             float *out, int64_t ldo, int carry, int ahead) {
     const int64_t blocks = k / QK, group_bytes = llorch_group_bytes(type), span = blocks * group_bytes;
     const int32_t offset = type == T_Q8_0_R8 ? 128 : 16;
     small_blocks_pair(type, blocks, group_bytes, offset, w + ga * span, w + gb * span, x, tile, out + ROWS * ga,
@@ -215,7 +214,7 @@ static inline __attribute__((always_inline)) void small_blocks(int type, const u
 /* The K types (Q4_K_R8 and Q6_K_R8), per super-block of 256 values. */
 static inline __attribute__((always_inline)) void k_blocks(int type, const uint8_t *w, int64_t k, int64_t ga,
                                                          int64_t gb, const act_block *const *x, int tile, float *out,
-                                                         int64_t ldo, int carry, int64_t ahead) {
+                                                         int64_t ldo, int carry, int ahead) {
     const int64_t supers = k / QK_K, group_bytes = llorch_group_bytes(type), span = supers * group_bytes;
     if (type == T_Q4_K_R8) {
         q4_k_pair(supers, group_bytes, w + ga * span, w + gb * span, x, tile, out + ROWS * ga, out + ROWS * gb, ldo,
@@ -227,7 +226,7 @@ static inline __attribute__((always_inline)) void k_blocks(int type, const uint8
 }
 
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
-                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry, int64_t ahead) {
+                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry, int ahead) {
 #define Q8(n) small_blocks(T_Q8_0_R8, w, k, ga, gb, x, n, out, ldo, carry, ahead)
 #define Q5(n) small_blocks(T_Q5_0_R8, w, k, ga, gb, x, n, out, ldo, carry, ahead)
 #define Q4K(n) k_blocks(T_Q4_K_R8, w, k, ga, gb, x, n, out, ldo, carry, ahead)
@@ -242,7 +241,7 @@ void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga
 #elif !defined(LLORCH_AVX2) /* AVX2 without VNNI: interleaved_avx2.c */
 /* Without AVX2 no matrix is interleaved (llorch_repacked_type), so this is never called. */
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
-                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry, int64_t ahead) {
+                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry, int ahead) {
     (void)type; (void)w; (void)k; (void)ga; (void)gb; (void)x; (void)tile; (void)out; (void)ldo; (void)carry;
     (void)ahead;
 }

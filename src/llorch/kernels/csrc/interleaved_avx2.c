@@ -79,15 +79,6 @@ static inline __attribute__((always_inline)) void store_sums(float *const out[2]
         for (int t = 0; t < tile; t++) _mm256_storeu_ps(out[n] + t * ldo, sums[n][t]);
 }
 
-/* The weight bytes of a block of each group, `ahead` past it, asked for now (ahead 0: none): matmul.c says
- * when and why. */
-static inline __attribute__((always_inline)) void ask_ahead(const uint8_t *const g[2], int groups,
-                                                          int64_t group_bytes, int64_t ahead) {
-    if (!ahead) return;
-    for (int n = 0; n < groups; n++)
-        for (int64_t at = 0; at < group_bytes; at += 64) __builtin_prefetch(g[n] + ahead + at, 0, 3);
-}
-
 /* Q8_0_R8 / Q5_0_R8, `groups` (1 or 2) groups at once, as q4_k_groups takes them (per 32-value block):
  * out = sum_b dx_b * d_b * dot_b. Decoding the default model, whose output projection is Q8_0 and most
  * of its layers Q5_0 (Xeon, two threads, after a 512-token prompt): 78.9 -> 94.9 tok/s; its prefill
@@ -97,7 +88,7 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
                                                                     int groups, const uint8_t *ga, const uint8_t *gb,
                                                                     const act_block *const *x, int tile,
                                                                     float *out_a, float *out_b, int64_t ldo,
-                                                                    int carry, int64_t ahead) {
+                                                                    int carry, int ahead) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *const g0[2] = {ga, gb};
     float *const out[2] = {out_a, out_b};
@@ -105,7 +96,7 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
     start_sums(acc, out, ldo, groups, tile, carry);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *g[2] = {g0[0] + b * group_bytes, g0[1] + b * group_bytes};
-        ask_ahead(g, groups, group_bytes, ahead);
+        for (int n = 0; n < groups && ahead; n++) prefetch_ahead(g[n], group_bytes);
         __m256i lanes[2][TILE];
         /* Q8_0: signed values, stored + 128: |w| <= 128, its sign moved onto x. Step by step for the whole
          * tile, each step's |w| made once: products of 512 rows 2048 x 2048, 75-82 -> 86-91 GMAC/s. */
@@ -195,7 +186,7 @@ static inline __attribute__((always_inline)) void small_blocks_groups(int type, 
 static inline __attribute__((always_inline)) void q4_k_groups(int64_t supers, int64_t group_bytes, int groups,
                                                             const uint8_t *ga, const uint8_t *gb,
                                                             const act_block *const *x, int tile, float *out_a,
-                                                            float *out_b, int64_t ldo, int carry, int64_t ahead) {
+                                                            float *out_b, int64_t ldo, int carry, int ahead) {
     const __m256i low = _mm256_set1_epi8(0x0f), six = _mm256_set1_epi8(63), top = _mm256_set1_epi8(0x30);
     const uint8_t *const g0[2] = {ga, gb};
     float *const out[2] = {out_a, out_b};
@@ -203,7 +194,7 @@ static inline __attribute__((always_inline)) void q4_k_groups(int64_t supers, in
     start_sums(total, out, ldo, groups, tile, carry);
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *g[2] = {g0[0] + s * group_bytes, g0[1] + s * group_bytes};
-        ask_ahead(g, groups, group_bytes, ahead);
+        for (int n = 0; n < groups && ahead; n++) prefetch_ahead(g[n], group_bytes);
         /* the 6-bit scales and minimums, [0] scales 0-3, [1] 4-7, [2] minimums 0-3, [3] 4-7: [sub-block][row] */
         uint8_t unpacked[2][4][32];
         for (int n = 0; n < groups; n++) {
@@ -294,7 +285,7 @@ static inline __m256i high_pair(__m256i plane, int p) {
 static inline __attribute__((always_inline)) void q6_k_groups(int64_t supers, int64_t group_bytes, int groups,
                                                             const uint8_t *ga, const uint8_t *gb,
                                                             const act_block *const *x, int tile, float *out_a,
-                                                            float *out_b, int64_t ldo, int carry, int64_t ahead) {
+                                                            float *out_b, int64_t ldo, int carry, int ahead) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *const g0[2] = {ga, gb};
     float *const out[2] = {out_a, out_b};
@@ -302,7 +293,7 @@ static inline __attribute__((always_inline)) void q6_k_groups(int64_t supers, in
     start_sums(total, out, ldo, groups, tile, carry);
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *g[2] = {g0[0] + s * group_bytes, g0[1] + s * group_bytes};
-        ask_ahead(g, groups, group_bytes, ahead);
+        for (int n = 0; n < groups && ahead; n++) prefetch_ahead(g[n], group_bytes);
         __m256 acc[2][TILE];
         zero_sums(acc, groups, tile);
         for (int b = 0; b < 8; b++) {
@@ -364,7 +355,7 @@ static inline __attribute__((always_inline)) void q6_k_groups(int64_t supers, in
 static inline __attribute__((always_inline)) void some_groups(int type, const uint8_t *w, int64_t k, int groups,
                                                             int64_t ga, int64_t gb, const act_block *const *x,
                                                             int tile, float *out, int64_t ldo, int carry,
-                                                            int64_t ahead) {
+                                                            int ahead) {
     const int64_t group_bytes = llorch_group_bytes(type);
     const int is_k = type == T_Q4_K_R8 || type == T_Q6_K_R8;
     const int64_t count = is_k ? k / QK_K : k / QK, span = count * group_bytes; /* super-blocks or blocks */
@@ -377,7 +368,7 @@ static inline __attribute__((always_inline)) void some_groups(int type, const ui
 }
 
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
-                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry, int64_t ahead) {
+                               const act_block *const *x, int tile, float *out, int64_t ldo, int carry, int ahead) {
     if (gb != ga && tile <= 2) { /* the two groups together where one or two activation rows leave the registers */
         if (tile == 1) some_groups(type, w, k, 2, ga, gb, x, 1, out, ldo, carry, ahead);
         else some_groups(type, w, k, 2, ga, gb, x, 2, out, ldo, carry, ahead);

@@ -255,11 +255,11 @@ static inline int64_t llorch_block_at(int64_t group_bytes, int64_t block_values,
 /* Their kernels (interleaved.c): the weight rows of groups ga and gb (eight rows each; gb == ga
  * for a group computed alone) of a matrix of k values (one segment, or a matrix of one) against
  * `tile` (1..4) activation rows, into out[t * ldo + j]; `carry`: each output goes on from the
- * value out holds (the segments before), in the same order of operations as one pass; `ahead`: how
- * many bytes past what they read the kernels ask for in both groups' runs (0: none). */
+ * value out holds (the segments before), in the same order of operations as one pass; `ahead`: the
+ * kernels ask for the bytes PREFETCH_AHEAD past what they read (simd.h) in both groups' runs. */
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
                                const act_block *const *x, int tile, float *out, int64_t ldo, int carry,
-                               int64_t ahead);
+                               int ahead);
 
 /* AMX (amx.c, the amx variant). Whether this process may use the tile registers (asked once), and
  * how many of m activation rows of a matrix of `type` the AMX kernel takes (a multiple of 16; 0 where

@@ -19,10 +19,6 @@ _Static_assert(ROW_CHUNK == 2 * 8, "an interleaved matrix's chunk is two groups 
 #define DIRECT_TILE 4 /* activation rows the direct kernels take at once (direct.c) */
 #define SEGMENT_PASS_ROWS 16 /* fewer activation rows go through an interleaved matrix a segment at a time */
 #define AHEAD_ROWS 4 /* products of this many rows, up to ACT_TILE, ask for the weights ahead (below) */
-#ifndef AHEAD_BYTES
-#define AHEAD_BYTES 4096 /* how far past their reads the interleaved kernels ask for weights (below); 2048 and
-                          * 8192 were slower at 8 streams: 0.92x and 0.96x */
-#endif
 
 /* Per-thread scratch for one unpacked weight row, grown as needed. */
 static __thread uint8_t *scratch_v;
@@ -186,9 +182,11 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
              * show. Measured (two threads, Zen 5, same model, alternating windows): 4 / 8 / 16 / 32 streams
              * 1.09-1.15x / 1.50x / 1.26x / 1.09x on the 1.1B file; the default model 1.07x / 1.49x / 1.26x /
              * 1.10x; the 3B 1.09x / 1.53x / 1.23x (4 / 8 / 16); the AVX2 kernels on the 1.1B file 1.16x /
-             * 1.40x / 1.23x / 1.07x. Fewer rows stream the weights fast enough for the prefetchers alone (asking ahead:
-             * one stream 0.90x, two level, three 1.02-1.10x); a prompt's many rows are bound by computing. */
-            const int64_t ahead = m - first_row >= AHEAD_ROWS && m <= ACT_TILE ? AHEAD_BYTES : 0;
+             * 1.40x / 1.23x / 1.07x. Fewer rows stream the weights fast enough for the prefetchers alone
+             * (asking ahead: one stream 0.90x, two level, three 1.02-1.10x); a prompt's many rows are bound by
+             * computing. At 8 streams, PREFETCH_AHEAD (simd.h) 2048 and 8192 were slower than its 4096: 0.92x
+             * and 0.96x. */
+            const int ahead = m - first_row >= AHEAD_ROWS && m <= ACT_TILE;
             for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
                 const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
                 if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
