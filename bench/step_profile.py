@@ -35,6 +35,7 @@ from llorch.engine.runner import ChunkInput, ModelRunner
 from llorch.host import physical_cores
 from llorch.kernels import build as kernels
 from llorch.kernels.blocks import row_bytes
+from llorch.weights.model_source import LoadedModel
 from llorch.weights.native_loader import load_native
 from speed import cpu_flags, memory_bandwidth_gb_s
 
@@ -69,12 +70,11 @@ def projection_bytes(native: object) -> dict[str, int]:
     return sizes
 
 
-def ours(path: Path, contexts: list[int], steps: int, lib: ctypes.CDLL,
+def ours(loaded: LoadedModel, contexts: list[int], steps: int, lib: ctypes.CDLL,
          streams: int = 1) -> dict[int, tuple[float, np.ndarray]]:
-    """Per context: seconds per step and seconds per phase per step, `streams` rows a step."""
-    loaded = load_native(path)
+    """Per context: seconds per step and seconds per phase per step, `streams` rows a step; `loaded`'s step is
+    run by the profiling build `lib`."""
     native = loaded.native
-    native.lib = lib  # the same model description, run by the profiling build
     per_stream = (max(contexts) + steps + 8) // BLOCK_SIZE + 2
     runner = ModelRunner(native, None, HOST_KV_DTYPE,
                          (per_stream * streams + 1) * bytes_per_block(loaded.config, HOST_KV_DTYPE))
@@ -100,7 +100,6 @@ def ours(path: Path, contexts: list[int], steps: int, lib: ctypes.CDLL,
         for i in range(steps):
             tokens = step(tokens, context + 4 + i)
         results[context] = ((time.perf_counter() - started) / steps, take(lib) / steps)
-    results["bytes"] = projection_bytes(native)  # type: ignore[index]
     return results
 
 
@@ -162,7 +161,11 @@ def main() -> None:
     print(f"threads {args.threads}; read bandwidth {bandwidth:.1f} GB/s; CPU flags: {cpu_flags()}\n")
     for label in args.models.split(","):
         path = MODELS[label]()
-        measured = {count: ours(path, contexts, args.steps, lib, count) for count in streams}
+        loaded = load_native(path)
+        loaded.native.lib = lib  # the same model description, run by the profiling build
+        sizes = projection_bytes(loaded.native)
+        measured = {count: ours(loaded, contexts, args.steps, lib, count) for count in streams}
+        del loaded  # freed before llama.cpp loads its own copy
         theirs: dict[int, float] = {}
         if not args.skip_llama and 1 in streams:
             try:
@@ -172,9 +175,8 @@ def main() -> None:
         for count, by_context in measured.items():
             for context in contexts:
                 step, phases = by_context[context]
-                print("\n".join(report(f"{label} ({path.name})", context, step, phases,
-                                       by_context["bytes"],  # type: ignore[index]
-                                       bandwidth, theirs.get(context) if count == 1 else None, count)))
+                print("\n".join(report(f"{label} ({path.name})", context, step, phases, sizes, bandwidth,
+                                       theirs.get(context) if count == 1 else None, count)))
 
 
 if __name__ == "__main__":
