@@ -18,7 +18,6 @@ _Static_assert(ROW_CHUNK == 2 * 8, "an interleaved matrix's chunk is two groups 
 #define ACT_TILE 64   /* activation rows read against one unpacked weight row before moving on */
 #define DIRECT_TILE 4 /* activation rows the direct kernels take at once (direct.c) */
 #define SEGMENT_PASS_ROWS 16 /* fewer activation rows go through an interleaved matrix a segment at a time */
-#define AHEAD_ROWS 4 /* products of this many rows, up to ACT_TILE, ask for the weights ahead (below) */
 
 /* Per-thread scratch for one unpacked weight row, grown as needed. */
 static __thread uint8_t *scratch_v;
@@ -175,18 +174,20 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
             if (first_row > 0 && pass == 0)
                 llorch_amx_groups(W->type, W->data, n, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
             const int64_t block_values = llorch_block_values(W->type), group_bytes = llorch_group_bytes(W->type);
-            /* A batched decode step's rows: the kernels ask for the weights ahead of what they read. Why: each
-             * tile after the first reads the weights from the cache, and while it computes nothing asks memory
-             * for more (the prefetchers follow the reads that miss), so a step's time was its time computing
-             * plus its time reading; one tile of four rows computes long enough between reads for the same to
-             * show. Measured (two threads, Zen 5, same model, alternating windows): 4 / 8 / 16 / 32 streams
-             * 1.09-1.15x / 1.50x / 1.26x / 1.09x on the 1.1B file; the default model 1.07x / 1.49x / 1.26x /
-             * 1.10x; the 3B 1.09x / 1.53x / 1.23x (4 / 8 / 16); the AVX2 kernels on the 1.1B file 1.16x /
-             * 1.40x / 1.23x / 1.07x. Fewer rows stream the weights fast enough for the prefetchers alone
-             * (asking ahead: one stream 0.90x, two level, three 1.02-1.10x); a prompt's many rows are bound by
-             * computing. At 8 streams, PREFETCH_AHEAD (simd.h) 2048 and 8192 were slower than its 4096: 0.92x
-             * and 0.96x. */
-            const int ahead = m - first_row >= AHEAD_ROWS && m <= ACT_TILE;
+            /* A decode step's rows, one stream's or a batch's: the kernels ask for the weights ahead of what
+             * they read. Why, for a batch: each tile after the first reads the weights from the cache, and
+             * while it computes nothing asks memory for more (the prefetchers follow the reads that miss), so
+             * a step's time was its time computing plus its time reading. Measured (two threads, Zen 5, same
+             * model, alternating windows): 4 / 8 / 16 / 32 streams 1.09-1.15x / 1.50x / 1.26x / 1.09x on the
+             * 1.1B file; the default model 1.07x / 1.49x / 1.26x / 1.10x; the 3B 1.09x / 1.53x / 1.23x (4 / 8
+             * / 16); the AVX2 kernels on the 1.1B file 1.16x / 1.40x / 1.23x / 1.07x. At 8 streams,
+             * PREFETCH_AHEAD (simd.h) 2048 and 8192 were slower than its 4096: 0.92x and 0.96x.
+             * Why, for one stream: the prefetchers alone keep up while memory is slow, and fall behind while
+             * it is fast. Measured on Zen 5 (two threads, windows in turn, each held to a read probe beside
+             * it): with the probe at 70-80 GB/s, the 3B file 1.05-1.06x, the 1.1B file 1.09x; at 40-50 GB/s
+             * 1.00-1.03x (the 1.1B file two / three streams 1.04x / 1.05x); the default model level; the
+             * AVX2 kernels level. A prompt's many rows are bound by computing: they do not ask. */
+            const int ahead = m <= ACT_TILE;
             for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
                 const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
                 if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
