@@ -142,6 +142,23 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
     for (int i = 0; i < count; i++)
         if (mats[i].type > REPACKED) segments = (k + SEGMENT - 1) / SEGMENT;
     const int64_t passes = m < SEGMENT_PASS_ROWS ? segments : 1;
+    /* A decode step's rows, one stream's or a batch's: the kernels ask for the weights ahead of what
+     * they read. Why, for a batch: each tile after the first reads the weights from the cache, and
+     * while it computes nothing asks memory for more (the prefetchers follow the reads that miss), so
+     * a step's time was its time computing plus its time reading. Measured (two threads, Zen 5, same
+     * model, alternating windows): 4 / 8 / 16 / 32 streams 1.09-1.15x / 1.50x / 1.26x / 1.09x on the
+     * 1.1B file; the default model 1.07x / 1.49x / 1.26x / 1.10x; the 3B 1.09x / 1.53x / 1.23x (4 / 8
+     * / 16); the AVX2 kernels on the 1.1B file 1.16x / 1.40x / 1.23x / 1.07x. At 8 streams,
+     * PREFETCH_AHEAD (simd.h) 2048 and 8192 were slower than its 4096: 0.92x and 0.96x.
+     * Why, for one stream: the prefetchers alone keep up while memory is slow, and fall behind while
+     * it is fast. Measured on Zen 5 (two threads, windows in turn, each held to a read probe beside
+     * it): with the probe at 70-80 GB/s, the 3B file 1.05-1.06x, the 1.1B file 1.06-1.09x; at 40-50 GB/s
+     * 1.00-1.03x (the 1.1B file two / three streams 1.04x / 1.05x); the default model level; the
+     * AVX2 kernels level. Nearer is worse for one stream: 2 KiB ahead 0.96x at 70-80 GB/s (an earlier
+     * measurement, 1 KiB: 0.90x). On Zen 4, one stream asking 2 and 4 KiB ahead was measured slower
+     * than the prefetchers alone: to be measured there again. A prompt's many rows are bound by
+     * computing: they do not ask. */
+    const int ahead = m <= ACT_TILE;
     for (int64_t pass = 0; pass < passes; pass++) {
 #ifdef _OPENMP
     /* Guided: each thread first takes a long run of chunks, then ever shorter ones, so the thread
@@ -174,23 +191,6 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
             if (first_row > 0 && pass == 0)
                 llorch_amx_groups(W->type, W->data, n, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
             const int64_t block_values = llorch_block_values(W->type), group_bytes = llorch_group_bytes(W->type);
-            /* A decode step's rows, one stream's or a batch's: the kernels ask for the weights ahead of what
-             * they read. Why, for a batch: each tile after the first reads the weights from the cache, and
-             * while it computes nothing asks memory for more (the prefetchers follow the reads that miss), so
-             * a step's time was its time computing plus its time reading. Measured (two threads, Zen 5, same
-             * model, alternating windows): 4 / 8 / 16 / 32 streams 1.09-1.15x / 1.50x / 1.26x / 1.09x on the
-             * 1.1B file; the default model 1.07x / 1.49x / 1.26x / 1.10x; the 3B 1.09x / 1.53x / 1.23x (4 / 8
-             * / 16); the AVX2 kernels on the 1.1B file 1.16x / 1.40x / 1.23x / 1.07x. At 8 streams,
-             * PREFETCH_AHEAD (simd.h) 2048 and 8192 were slower than its 4096: 0.92x and 0.96x.
-             * Why, for one stream: the prefetchers alone keep up while memory is slow, and fall behind while
-             * it is fast. Measured on Zen 5 (two threads, windows in turn, each held to a read probe beside
-             * it): with the probe at 70-80 GB/s, the 3B file 1.05-1.06x, the 1.1B file 1.09x; at 40-50 GB/s
-             * 1.00-1.03x (the 1.1B file two / three streams 1.04x / 1.05x); the default model level; the
-             * AVX2 kernels level. Nearer is worse for one stream: 2 KiB ahead 0.96x at 70-80 GB/s (an earlier
-             * measurement, 1 KiB: 0.90x). On Zen 4, one stream asking 2 and 4 KiB ahead was measured slower
-             * than the prefetchers alone: to be measured there again. A prompt's many rows are bound by
-             * computing: they do not ask. */
-            const int ahead = m <= ACT_TILE;
             for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
                 const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
                 if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
