@@ -254,9 +254,15 @@ static inline int64_t llorch_block_at(int64_t group_bytes, int64_t block_values,
 
 /* Their kernels (interleaved.c): the weight rows of groups ga and gb (eight rows each; gb == ga
  * for a group computed alone) of a matrix of k values (one segment, or a matrix of one) against
- * `tile` (1..4) activation rows, into out[t * ldo + j]; `carry`: each output goes on from the
- * value out holds (the segments before), in the same order of operations as one pass; `ahead`: the
- * kernels ask for the bytes PREFETCH_AHEAD past what they read (simd.h) in both groups' runs. */
+ * `tile` (1..4, or INTERLEAVED_TILE) activation rows, into out[t * ldo + j]; `carry`: each output
+ * goes on from the value out holds (the segments before), in the same order of operations as one
+ * pass; `ahead`: the kernels ask for the bytes PREFETCH_AHEAD past what they read (simd.h) in both
+ * groups' runs. */
+#ifdef LLORCH_VNNI
+#define INTERLEAVED_TILE 8 /* interleaved.c says why */
+#else
+#define INTERLEAVED_TILE 4 /* AVX2's sixteen registers hold no more (interleaved_avx2.c) */
+#endif
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
                                const act_block *const *x, int tile, float *out, int64_t ldo, int carry,
                                int ahead);

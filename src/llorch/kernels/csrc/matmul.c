@@ -193,7 +193,7 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
             const int64_t block_values = llorch_block_values(W->type), group_bytes = llorch_group_bytes(W->type);
             for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
                 const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
-                if (interleaved) {  /* eight weight rows per instruction, four activation rows at a time */
+                if (interleaved) {  /* eight weight rows per instruction, up to eight activation rows at a time */
                     /* this pass's segment, or every segment in turn */
                     const int64_t first_segment = passes > 1 ? pass : 0, end = passes > 1 ? pass + 1 : segments;
                     for (int64_t segment = first_segment; segment < end; segment++) {
@@ -201,9 +201,10 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
                         const uint8_t *w = W->data + llorch_block_at(group_bytes, block_values, n / 8, k, 0,
                                                                      segment * (SEGMENT / block_values));
                         const int64_t width = k - segment * SEGMENT < SEGMENT ? k - segment * SEGMENT : SEGMENT;
-                        for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
-                            const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
-                            const act_block *rows[DIRECT_TILE];
+                        /* INTERLEAVED_TILE rows at a time while as many are left, then four at most */
+                        for (int64_t i = i0, tile; i < i1; i += tile) {
+                            tile = i1 - i >= INTERLEAVED_TILE ? INTERLEAVED_TILE : i1 - i < 4 ? i1 - i : 4;
+                            const act_block *rows[INTERLEAVED_TILE];
                             for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks + segment * (SEGMENT / QK);
                             llorch_interleaved_groups(W->type, w, width, ga, gb, rows, tile, out + i * n, n,
                                                       segment > 0, ahead);
