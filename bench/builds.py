@@ -1,7 +1,7 @@
 """Two builds of llorch and llama.cpp decoding in turn, in one run: a change's before and after.
 
     python bench/builds.py --before REV [--after TREE] [--models 1b,3b] [--windows 40] [--threads N] [--http]
-                           [--context N]
+                           [--context N] [--clients 8,16,32]
 
 The machine's read bandwidth moves by half within seconds (neighbours on the host), so decode
 rates taken minutes apart, or in separate runs, do not compare. Here each engine is its own
@@ -22,6 +22,12 @@ HTTP_WINDOW tokens after speed.py's 512-token prompt per window (the rate after 
 speed.py's HTTP rows); the after build also decodes in-process at the same positions in each
 turn, in its own process, and each HTTP window is held to the mean of the in-process windows on
 either side of it: HTTP's share of in-process decode, speed.py's HTTP row, for both builds.
+
+With --clients N (or a comma-separated list, each in turn) the change is to serving many at once:
+both builds run as workers and llama.cpp as llama-server, each with N slots, and in each window N
+clients stream one greedy job each against one server after another (concurrency.py's jobs: a
+prompt of their own, MAX_TOKENS tokens). Reported per engine: the median aggregate tokens/s over
+the windows, and each build's median per-window ratio to the before build and to llama-server.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from speed import SHARE_WINDOW, ReadProbe, bandwidth_table, cpu_flags, file_byte
 
 WINDOW = 16  # decode tokens per window, as speed.py's roofline windows
 HTTP_WINDOW = SHARE_WINDOW  # tokens per streamed request with --http, as speed.py's HTTP share
+MAX_TOKENS = 64  # tokens per job with --clients, as concurrency.py's
 MODELS = {"default": models.default_model, "1b": models.billion_model, "3b": models.three_billion_model}
 HERE = Path(__file__).resolve().parent
 
@@ -254,6 +261,52 @@ def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -
     return lines
 
 
+def compare_clients(label: str, trees: dict[str, Path], args: argparse.Namespace) -> list[str]:
+    return [line for clients in args.clients for line in serve_clients(label, trees, args, clients)]
+
+
+def serve_clients(label: str, trees: dict[str, Path], args: argparse.Namespace, clients: int) -> list[str]:
+    import concurrency
+    import llama_build
+    from launch import free_port, start_server, stop
+    from speed import llama_healthy, llama_server_command, llorch_healthy, llorch_worker_command
+
+    model, slots = MODELS[label](), clients
+    jobs = {name: concurrency.llorch_job for name in trees} | {"llama-server": concurrency.llama_job}
+    servers: dict[str, Any] = {}
+    try:
+        for name, tree in trees.items():
+            port = free_port()
+            command = llorch_worker_command(args, model, port, slots, concurrency.SLOT_CONTEXT)
+            servers[name] = start_server(command, f"http://127.0.0.1:{port}", llorch_healthy,
+                                         env={**os.environ, "PYTHONPATH": str(tree / "src")})
+        port = free_port()
+        servers["llama-server"] = start_server(llama_server_command(args, model, port, slots, concurrency.SLOT_CONTEXT),
+                                               f"http://127.0.0.1:{port}", llama_healthy,
+                                               env=llama_build.library_environment())
+        for name, server in servers.items():  # first-request costs excluded
+            concurrency.run_level(server.base_url, jobs[name], 1, 1, 8)
+        rates: dict[str, list[float]] = {name: [] for name in servers}
+        for _ in range(args.windows):
+            for name, server in servers.items():
+                level = concurrency.run_level(server.base_url, jobs[name], slots, 1, MAX_TOKENS)
+                rates[name].append(level.tokens_per_s)
+    finally:
+        for server in servers.values():
+            stop(server)
+    before = next(iter(trees))
+    lines = ["", f"## {label}: {model.name}, {slots} clients at once, one job of {MAX_TOKENS} tokens each a window; "
+             f"{args.windows} windows", "",
+             f"| engine | aggregate tok/s | per window, to {before} | per window, to llama-server |",
+             "|---|---|---|---|"]
+    for name, values in rates.items():
+        ratios = [f"{statistics.median(a / b for a, b in zip(values, rates[other], strict=True)):.3f}x"
+                  if name in trees and name != other else "" for other in (before, "llama-server")]
+        lines.append(f"| {name} | {statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f}) | "
+                     f"{ratios[0]} | {ratios[1]} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="the commit measured as before (a temporary worktree)")
@@ -263,6 +316,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--http", action="store_true", help="the builds as workers, llama.cpp as llama-server")
     parser.add_argument("--context", type=int, default=1, help="decode after a prompt of this many tokens")
+    parser.add_argument("--clients", type=lambda text: [int(n) for n in text.split(",")], default=[],
+                        help="the builds as workers serving this many clients at once (comma-separated: each)")
     parser.add_argument("--serve", choices=("llorch", "llorch-prompt", "llama.cpp"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -284,7 +339,8 @@ def main() -> None:
             print(f"threads {args.threads}; CPU flags: {cpu_flags()}", flush=True)
             for label in args.models.split(","):
                 trees = {f"before ({args.before})": before, "after": args.after.resolve()}
-                print("\n".join(["", *(compare_http if args.http else compare)(label, trees, args)]), flush=True)
+                way = compare_clients if args.clients else compare_http if args.http else compare
+                print("\n".join(["", *way(label, trees, args)]), flush=True)
         finally:
             subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force", str(before)], check=False)
 
