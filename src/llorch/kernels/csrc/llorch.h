@@ -225,7 +225,16 @@ void llorch_matrix_row(int type, const uint8_t *data, int64_t rows, int64_t k, i
  * best read in by these kernels (itself where none is faster), the bytes of one 8-row group
  * of a block (0 for a file type), and the rearrangement (src and dst must not overlap). */
 int llorch_repacked_type(int type, int64_t rows);
-int64_t llorch_group_bytes(int type);
+/* Inline: the kernels ask it for every chunk of rows, and with their type known it folds to a constant. */
+static inline int64_t llorch_group_bytes(int type) {
+    switch (type) {
+        case T_Q8_0_R8: return 8 * 34;
+        case T_Q5_0_R8: return 8 * 22;
+        case T_Q4_K_R8: return 8 * 144;
+        case T_Q6_K_R8: return 8 * 210;
+        default: return 0;
+    }
+}
 int llorch_repack(int type, uint8_t *data, int64_t rows, int64_t k);
 
 /* An interleaved matrix lies in segments of SEGMENT values of every row (the last one shorter where

@@ -30,17 +30,6 @@
 
 #define ROWS 8
 
-int64_t llorch_group_bytes(int type) {
-    switch (type) {
-        case T_Q8_0_R8: return ROWS * 34;
-        case T_Q5_0_R8: return ROWS * 22;
-        case T_Q4_K_R8: return ROWS * 144;
-        case T_Q6_K_R8: return ROWS * 210;
-        default: return 0;
-    }
-}
-
-
 int llorch_repacked_type(int type, int64_t rows) {
 #ifdef LLORCH_AVX2 /* the kernels: interleaved.c with VNNI, interleaved_avx2.c without */
     const int repacked = type + REPACKED;
