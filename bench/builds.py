@@ -271,31 +271,31 @@ def serve_clients(label: str, trees: dict[str, Path], args: argparse.Namespace, 
     from launch import free_port, start_server, stop
     from speed import llama_healthy, llama_server_command, llorch_healthy, llorch_worker_command
 
-    model, slots = MODELS[label](), clients
+    model = MODELS[label]()
     jobs = {name: concurrency.llorch_job for name in trees} | {"llama-server": concurrency.llama_job}
     servers: dict[str, Any] = {}
     try:
         for name, tree in trees.items():
             port = free_port()
-            command = llorch_worker_command(args, model, port, slots, concurrency.SLOT_CONTEXT)
+            command = llorch_worker_command(args, model, port, clients, concurrency.SLOT_CONTEXT)
             servers[name] = start_server(command, f"http://127.0.0.1:{port}", llorch_healthy,
                                          env={**os.environ, "PYTHONPATH": str(tree / "src")})
         port = free_port()
-        servers["llama-server"] = start_server(llama_server_command(args, model, port, slots, concurrency.SLOT_CONTEXT),
-                                               f"http://127.0.0.1:{port}", llama_healthy,
+        command = llama_server_command(args, model, port, clients, concurrency.SLOT_CONTEXT)
+        servers["llama-server"] = start_server(command, f"http://127.0.0.1:{port}", llama_healthy,
                                                env=llama_build.library_environment())
         for name, server in servers.items():  # first-request costs excluded
             concurrency.run_level(server.base_url, jobs[name], 1, 1, 8)
         rates: dict[str, list[float]] = {name: [] for name in servers}
         for _ in range(args.windows):
             for name, server in servers.items():
-                level = concurrency.run_level(server.base_url, jobs[name], slots, 1, MAX_TOKENS)
+                level = concurrency.run_level(server.base_url, jobs[name], clients, 1, MAX_TOKENS)
                 rates[name].append(level.tokens_per_s)
     finally:
         for server in servers.values():
             stop(server)
     before = next(iter(trees))
-    lines = ["", f"## {label}: {model.name}, {slots} clients at once, one job of {MAX_TOKENS} tokens each a window; "
+    lines = ["", f"## {label}: {model.name}, {clients} clients at once, one job of {MAX_TOKENS} tokens each a window; "
              f"{args.windows} windows", "",
              f"| engine | aggregate tok/s | per window, to {before} | per window, to llama-server |",
              "|---|---|---|---|"]

@@ -30,14 +30,12 @@
 #define TILE INTERLEAVED_TILE
 #define ROWS 8
 
-/* A kernel's call for `tile` activation rows (1..4 or TILE), each count a constant in its own copy. */
-#define BY_ROWS(call_with_tile)              \
-    switch (tile) {                          \
-        case 1: call_with_tile(1); break;    \
-        case 2: call_with_tile(2); break;    \
-        case 3: call_with_tile(3); break;    \
-        case 4: call_with_tile(4); break;    \
-        default: call_with_tile(TILE); break; \
+/* A kernel's call for `tile` activation rows: TILE, or up to four (the rows left after the last TILE). */
+#define BY_ROWS(call_with_tile)                           \
+    if (tile == TILE) {                                   \
+        call_with_tile(TILE);                             \
+    } else {                                              \
+        BY_TILE_UP_TO(call_with_tile, 4);                 \
     }
 
 /* Four activation bytes read as one 32-bit value (an act_block's q is int8_t). */

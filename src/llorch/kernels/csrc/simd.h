@@ -65,15 +65,16 @@ static inline __attribute__((always_inline)) void prefetch_halves(const uint16_t
     for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* A kernel's call for `tile` activation rows (1 .. TILE), each count a constant in its own copy, so
- * that the loops over the rows unroll. */
-#define BY_TILE(call_with_tile)            \
-    switch (tile) {                        \
-        case 1: call_with_tile(1); break;  \
-        case 2: call_with_tile(2); break;  \
-        case 3: call_with_tile(3); break;  \
-        default: call_with_tile(TILE); break; \
+/* A kernel's call for `tile` activation rows (1 .. most), each count a constant in its own copy, so
+ * that the loops over the rows unroll; BY_TILE up to the file's TILE. */
+#define BY_TILE_UP_TO(call_with_tile, most) \
+    switch (tile) {                         \
+        case 1: call_with_tile(1); break;   \
+        case 2: call_with_tile(2); break;   \
+        case 3: call_with_tile(3); break;   \
+        default: call_with_tile(most); break; \
     }
+#define BY_TILE(call_with_tile) BY_TILE_UP_TO(call_with_tile, TILE)
 
 #ifdef LLORCH_AVX2
 static inline float hsum8(__m256 v) {
