@@ -202,6 +202,33 @@ def test_the_step_s_own_argmax_is_the_logits_own(served: LoadedModel) -> None:
         assert runner.best_of(logits) == logits.argmax(-1).tolist()
 
 
+def test_a_lone_decoding_row_gives_the_bits_of_the_same_row_in_a_batch(served: LoadedModel) -> None:
+    """A lone stream's decoding row takes a path of its own (NativeDecoder.decode_row, described once):
+    its logits and argmax are, to the bit, those of the same row stepped beside another sequence on the
+    general path, and logits a caller keeps are never overwritten by the next step."""
+    ids = served.tokenizer.encode(PROMPT)
+    runner, blocks = native_runner(served, 4 * len(ids) + 32)
+    width = len(blocks) // 2
+    alone, beside = blocks[:width], blocks[width:]
+    runner.forward([ChunkInput(ids, 0, alone, True)])
+    runner.forward([ChunkInput(ids, 0, beside, True)])
+    kept, kept_values = None, None
+    token = ids[-1]
+    for step in range(6):
+        position = len(ids) + step
+        lone = runner.forward([ChunkInput([token], position, alone, True)])
+        best = runner.best_of(lone)
+        assert best == lone.argmax(-1).tolist()
+        if kept is None:
+            kept, kept_values = lone, lone.copy()
+        # the same row again (its key and value rewritten as they were), second in a batch of two
+        batch = runner.forward([ChunkInput([ids[step]], position, beside, True),
+                                ChunkInput([token], position, alone, True)])
+        assert np.array_equal(batch[1], lone[0]) and runner.best_of(batch)[1] == best[0]
+        token = best[0]
+    assert np.array_equal(kept, kept_values)
+
+
 def test_the_step_s_argmax_takes_the_first_of_equal_logits_and_leaves_nan_rows_to_the_array(
         tmp_path: Path) -> None:
     """Every output row alike: every logit of a row is equal, across the threads' shares of the

@@ -72,6 +72,8 @@ class ModelRunner:
             kv_dtype = torch.float16  # the C step computes it (the loader attached one): its cache's form
         self.kv = KVPool(self.config, device, kv_dtype, kv_cache_bytes)
         self._slots = SlotCache(self.kv.block_size)
+        # The C step's cache, each layer's keys and values: one list for the pool's life (NativeDecoder._bound).
+        self._cache = [(layer.keys, layer.values) for layer in self.kv.layers]
 
     @property
     def resident_bytes(self) -> int:
@@ -99,6 +101,11 @@ class ModelRunner:
         Single-token chunks should come first and together: they share one attention call.
         """
         native = isinstance(self.model, NativeDecoder)
+        if native and len(chunks) == 1:
+            chunk = chunks[0]
+            plain = not (chunk.scored or chunk.verified or chunk.prompt)
+            if len(chunk.token_ids) == 1 and chunk.wants_logits and plain:
+                return self._decode_row(chunk)
         if native and any(chunk.prompt for chunk in chunks):
             return self._forward_with_prompt_rows(chunks)
         specs, ids, logit_rows, row = [], [], [], 0
@@ -111,8 +118,7 @@ class ModelRunner:
             if chunk.wants_logits:
                 logit_rows.extend(range(row - 1 - chunk.verified, row))
         if native:
-            cache = [(layer.keys, layer.values) for layer in self.kv.layers]
-            return self.model.forward(ids, row_layout(specs, logit_rows), cache, threads())
+            return self.model.forward(ids, row_layout(specs, logit_rows), self._cache, threads())
         import torch
 
         from llorch.models.step_batch import build_step
@@ -120,6 +126,16 @@ class ModelRunner:
         batch = build_step(specs, self.config, self.device, logit_rows, pad_slot=self.kv.pad_slot)
         with torch.inference_mode():
             return self.model(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.kv.layers)
+
+    def _decode_row(self, chunk: ChunkInput) -> Array:
+        """forward for one sequence's one decoding row (the steady state of a lone stream) on the C step's
+        path for it (NativeDecoder.decode_row)."""
+        assert isinstance(self.model, NativeDecoder)
+        self._check_blocks(chunk)
+        position, size = chunk.start, self.kv.block_size
+        write_slot = chunk.block_table[position // size] * size + position % size
+        return self.model.decode_row(chunk.token_ids[0], position, write_slot,
+                                     self._slots.address(chunk.block_table), self._cache, threads())
 
     def _check_blocks(self, chunk: ChunkInput) -> None:
         end = chunk.start + len(chunk.token_ids)
@@ -149,6 +165,5 @@ class ModelRunner:
             logit_rows.extend(prompt_at + offset if offset < p else other_at + offset - p for offset in wanted)
             other_at += length - p
             prompt_at += p
-        cache = [(layer.keys, layer.values) for layer in self.kv.layers]
-        return self.model.forward(ids_others + ids_prompts, row_layout(others + prompts, logit_rows), cache,
+        return self.model.forward(ids_others + ids_prompts, row_layout(others + prompts, logit_rows), self._cache,
                                   threads(), prompt_from=len(ids_others))

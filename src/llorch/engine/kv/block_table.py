@@ -42,15 +42,22 @@ class SlotCache:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._tables: dict[int, tuple[list[int], np.ndarray]] = {}
+        self._tables: dict[int, tuple[list[int], np.ndarray, int]] = {}
 
     def slots(self, blocks: list[int]) -> np.ndarray:
         """The slot of every position the blocks hold (len(blocks) * block_size of them, int64)."""
+        return self._entry(blocks)[1]
+
+    def address(self, blocks: list[int]) -> int:
+        """Where slots(blocks) lies in memory, for the C step (asked of numpy once per entry)."""
+        return self._entry(blocks)[2]
+
+    def _entry(self, blocks: list[int]) -> tuple[list[int], np.ndarray, int]:
         kept = self._tables.get(id(blocks))
         if kept is not None and kept[0] == blocks:
-            return kept[1]
+            return kept
         if len(self._tables) >= self.LIMIT:
             self._tables.clear()
         slots = slots_of(blocks, self.block_size, len(blocks) * self.block_size)
-        self._tables[id(blocks)] = (list(blocks), slots)
-        return slots
+        entry = self._tables[id(blocks)] = (list(blocks), slots, slots.ctypes.data)
+        return entry
