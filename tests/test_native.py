@@ -229,11 +229,14 @@ def test_a_lone_decoding_row_gives_the_bits_of_the_same_row_in_a_batch(served: L
     assert np.array_equal(kept, kept_values)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["found by the product", "found after the soft cap"])
 def test_the_step_s_argmax_takes_the_first_of_equal_logits_and_leaves_nan_rows_to_the_array(
-        tmp_path: Path) -> None:
+        tmp_path: Path, softcap: float) -> None:
     """Every output row alike: every logit of a row is equal, across the threads' shares of the
     vocabulary, and the first index is the answer, as numpy's and torch's argmax give. One token's
-    embedding at 3e38 makes the rows from it on NaN: the step claims no argmax then."""
+    embedding at 3e38 makes the rows from it on NaN: the step claims no argmax then. Alike whether the
+    vocabulary projection finds the argmax as it writes the logits, or (a model whose logits are soft
+    capped after it) the step reads them after."""
     parts = tiny_gemma3_parts(tmp_path)
     embedding = parts.tensor("token_embd.weight")
     rows = np.frombuffer(embedding.data, dtype=np.float32).reshape(embedding.shape).copy()
@@ -243,6 +246,7 @@ def test_the_step_s_argmax_takes_the_first_of_equal_logits_and_leaves_nan_rows_t
     rows[poisoned] = 3e38
     embedding.data = rows.tobytes()
     loaded = load_native(parts.write(tmp_path / "uniform-head.gguf"))
+    loaded.native.model.logit_softcap = softcap
     runner, blocks = native_runner(loaded, 32)
     logits = runner.forward([ChunkInput([2, 270, 271, 272], 0, blocks, True, scored=range(3))])
     assert np.all(logits == logits[:, :1]) and runner.best_of(logits) == [0, 0, 0, 0]

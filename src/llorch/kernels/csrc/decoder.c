@@ -83,11 +83,12 @@ static int64_t quantized_rows(const matrix *mats, int count, int64_t m, const ui
  * threads, Zen 4, bench/step_profile.py, the two builds in turn): the phases outside the products
  * 0.64 -> 0.52 ms a token on the 1.1B file, 0.15 -> 0.11 on the default model (under 1% of a
  * step: decode rates alike within the host's noise). Rows from `prompt_from` on are a prompt's own:
- * where the bfloat16 tile kernel takes every matrix, it computes them, from xb. */
+ * where the bfloat16 tile kernel takes every matrix, it computes them, from xb. `best`: the row_best of a
+ * product whose rows all go through the 8-bit kernels (the vocabulary projection, whose xb is NULL), or NULL. */
 static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, const act_block *xq,
-                    uint16_t *xb, int64_t prompt_from, float *const *outs, int phase) {
+                    uint16_t *xb, int64_t prompt_from, float *const *outs, int phase, const row_best *best) {
     const int64_t split = bf16_split(mats, count, m, xb, prompt_from);
-    if (split > 0) llorch_matmul_group_ws(mats, count, x, xq, split, outs);
+    if (split > 0) llorch_matmul_group_ws(mats, count, x, xq, split, outs, best);
     if (split < m) {
         float *shifted[3];
         for (int i = 0; i < count; i++) shifted[i] = outs[i] + split * mats[i].rows;
@@ -116,37 +117,26 @@ static inline void attention_input(const model_desc *M, const layer_desc *L, con
     quantize_input(h_row, r, M->hidden, quantized, xq);
 }
 
-/* Each logits row's argmax, read while the step's threads are up: every thread scans a share of
- * every row (the rows were just written; most of them have left the cache for the weights read
+/* Each logits row's argmax, read while the step's threads are up, where the product does not find it (many rows,
+ * or a soft cap after it, which can make unequal values equal): every thread scans a
+ * share of every row (the rows were just written; most of them have left the cache for the weights read
  * since), then each row's shares are joined in order, so the first of equal values wins, and a
  * NaN anywhere gives -1 as llorch_argmax_rows does. On its own, after the step, this read was
  * one thread's 0.17 ms a token on the default model's 262k vocabulary. Called inside the step's
  * parallel region (its worksharing loops end in barriers). */
-static void best_rows(const step_desc *S, int64_t vocab, int teams, float *span_max, int64_t *span_at) {
+static void best_rows(const step_desc *S, int64_t vocab, int teams, const row_best *shares) {
     const int64_t wanted = S->logit_rows_count, span = (vocab + teams - 1) / teams;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (int64_t item = 0; item < wanted * teams; item++) {
         const int64_t first = item % teams * span, n = first + span < vocab ? span : vocab - first;
-        const int64_t at = n > 0 ? llorch_argmax_span(S->logits + item / teams * vocab + first, n, span_max + item) : -2;
-        span_at[item] = at >= 0 ? first + at : at; /* -2: an empty share */
+        const int64_t share = item % teams * shares->stride + item / teams;
+        const int64_t at = n > 0 ? llorch_argmax_span(S->logits + item / teams * vocab + first, n,
+                                                      shares->max + share) : -2;
+        shares->at[share] = at >= 0 ? first + at : at; /* -2: an empty share */
     }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t r = 0; r < wanted; r++) {
-        int64_t at = -2;
-        float max = 0.0f;
-        for (int64_t t = r * teams; t < (r + 1) * teams && at != -1; t++) {
-            if (span_at[t] == -2) continue;
-            if (span_at[t] == -1 || at == -2 || span_max[t] > max) {
-                at = span_at[t];
-                max = span_max[t];
-            }
-        }
-        S->best[r] = at;
-    }
+    llorch_best_join_ws(shares, teams, wanted, S->best);
 }
 
 /* Attention's work item of a step: row r, KV head g, over positions [first, last). */
@@ -209,7 +199,9 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     const int64_t xb_values = prompt_rows > 0 ? llorch_bf16_acts_values(prompt_rows, widest) : 0;
     uint16_t *xb = xb_values > 0 ? llorch_alloc(sizeof(uint16_t) * (size_t)xb_values) : NULL;
     float *all_scores = llorch_alloc(sizeof(float) * (size_t)(teams * group * ATTN_CHUNK));
-    const int64_t spans = S->logit_rows_count * teams;
+    /* each thread's argmax of every logits row (row_best, each thread's rows a cache line's 16 apart): found by
+     * the vocabulary projection, or by best_rows after it */
+    const int64_t best_stride = (S->logit_rows_count + 15) / 16 * 16, spans = best_stride * teams;
     float *best_max = llorch_alloc(sizeof(float) * (size_t)(spans > 0 ? spans : 1));
     int64_t *best_at = llorch_alloc(sizeof(int64_t) * (size_t)(spans > 0 ? spans : 1));
     int64_t *claims = llorch_alloc(sizeof(int64_t) * (size_t)(M->layers > 0 ? M->layers : 1));
@@ -224,6 +216,15 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
         return -1;
     }
     for (int64_t l = 0; l < M->layers; l++) claims[l] = 0;
+    for (int64_t i = 0; i < spans; i++) best_at[i] = -2; /* a thread the region does not start saw nothing */
+    const row_best bests = {best_max, best_at, best_stride};
+    /* The vocabulary projection finds each row's argmax as it writes the logits, where no soft cap changes them
+     * after and the rows are few. Why: read after the step, the logits came back from memory, 40 us a token on
+     * the default model; found by the product they are read in cache, but with a few instructions per row and
+     * eight weight rows beside each kernel call, which a product of many rows (bound by computing) pays for:
+     * measured decoding the default model (two threads, Zen 5, windows in turn), 1 / 2 / 4 / 8 streams
+     * 0.995-1.004x / 1.008x / 0.995x / 1.02-1.04x, and found so for 16 / 32 streams too, 1.00x / 0.97-0.985x. */
+    const int head_finds_best = S->best != NULL && M->logit_softcap == 0.0f && S->logit_rows_count <= 8;
 
     const int64_t first_quantized = M->layers > 0 ? attention_quantized(M->layer, R, xb, S->prompt_from) : 0;
     const int64_t head_quantized = quantized_rows(M->head, 1, S->logit_rows_count, NULL, S->logit_rows_count);
@@ -280,7 +281,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             /* q, k, v in one worksharing loop (their input was normed and quantized by the phase before) */
             const matrix qkv[3] = {L->q, L->k, L->v};
             float *qkv_out[3] = {q, k, v};
-            project(qkv, 3, h, R, H, xq, xb, S->prompt_from, qkv_out, PH_QKV);
+            project(qkv, 3, h, R, H, xq, xb, S->prompt_from, qkv_out, PH_QKV, NULL);
 
             /* biases, per-head norms, RoPE, and the new keys and values into the cache */
 #ifdef _OPENMP
@@ -358,7 +359,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             PROFILE(PH_COMBINE);
 
             /* output projection and the residual, then the MLP's input normed and quantized */
-            project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O);
+            project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O, NULL);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -379,7 +380,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 
             /* the MLP */
             float *gate_up_out[2] = {gate, up};
-            project(gate_up, 2, h, R, H, xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP);
+            project(gate_up, 2, h, R, H, xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP, NULL);
             /* the activation in spans of each row, so that one decoding row's is shared by the threads;
              * each span quantized as it is done (whole blocks: SPAN is a multiple of 32) */
 #ifdef _OPENMP
@@ -402,7 +403,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 if (r < down_quantized) llorch_quantize_rows(a_span, 1, n, xq + (r * I + first) / QK);
             }
             PROFILE(PH_ACTIVATION);
-            project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN);
+            project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN, NULL);
             /* the residual, then the next layer's attention input normed and quantized */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
@@ -426,7 +427,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             quantize_input(h + i * H, i, H, head_quantized, xq);
         }
         PROFILE(PH_NORM);
-        project(M->head, 1, h, wanted, H, xq, NULL, wanted, &S->logits, PH_HEAD);
+        project(M->head, 1, h, wanted, H, xq, NULL, wanted, &S->logits, PH_HEAD, head_finds_best ? &bests : NULL);
+        if (head_finds_best) llorch_best_join_ws(&bests, teams, wanted, S->best);
         if (M->logit_softcap != 0.0f) {
             const float cap = M->logit_softcap;
 #ifdef _OPENMP
@@ -435,7 +437,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             for (int64_t i = 0; i < wanted * M->vocab; i++) S->logits[i] = v_tanh(S->logits[i] / cap) * cap;
             PROFILE(PH_HEAD);
         }
-        if (S->best) best_rows(S, M->vocab, teams, best_max, best_at);
+        if (S->best && !head_finds_best) best_rows(S, M->vocab, teams, &bests);
     }
     for (int i = 0; i < count; i++) free(buffers[i]);
     return llorch_take_allocation_failure() ? -1 : 0;  /* a thread's scratch could not grow */

@@ -353,8 +353,20 @@ int llorch_matmul_prompt(int type, const uint8_t *w, int64_t n, int64_t k, const
 
 /* Inside a parallel region the caller opened (every thread calls them; worksharing loops). */
 void llorch_quantize_rows_ws(const float *x, int64_t m, int64_t k, act_block *out);
-/* Several matrices sharing one input (q, k and v; gate and up), as one worksharing loop. */
+/* Each output row's largest value and its first index, as llorch_argmax_rows gives them, found by a product as it
+ * writes the outputs: every thread keeps its own, max[t * stride + i] and at[t * stride + i] for row i (at -2
+ * where it saw none, -1 where it saw a NaN), and llorch_best_join joins them. */
+typedef struct {
+    float *max;
+    int64_t *at;
+    int64_t stride;
+} row_best;
+
+/* Several matrices sharing one input (q, k and v; gate and up), as one worksharing loop; `best` (NULL for none)
+ * finds the first matrix's row_best, where that matrix is the only one. */
 void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const act_block *xq, int64_t m,
-                            float *const *outs);
+                            float *const *outs, const row_best *best);
+/* out[i] = row i's argmax from the `teams` threads' row_best (a worksharing loop over the m rows). */
+void llorch_best_join_ws(const row_best *best, int teams, int64_t m, int64_t *out);
 
 #endif
