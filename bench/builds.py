@@ -9,12 +9,13 @@ process holding its own copy of the model: llorch at commit REV (a temporary git
 its kernels built from its own sources), llorch from TREE (default: this checkout, with its
 uncommitted changes), and llama.cpp through its Python bindings (llama_build.py). They decode
 one greedy stream after a one-token prompt (the weight-bound case), in windows of WINDOW tokens
-in turn, a read probe (speed.py's) between every two windows; each window is held to the mean
+in turn, each from the prompt's end again (speed.py's roofline windows), a read probe (speed.py's) between every
+two windows; each window is held to the mean
 of the probes on either side of it. Reported per engine: the median tokens/s and the median
 fraction of the roofline (the file's tensor bytes a token reads, speed.file_bytes_per_token, at the
 probed bandwidth). With --context N every engine first reads a prompt of N tokens, and decodes each
-window at the positions after it (the cache's positions from there on taken back before the next): decode
-at that context length, where attention reads N keys and values a layer for every token.
+window at the positions after it, as after the one-token prompt: decode at that context length, where
+attention reads N keys and values a layer for every token.
 
 With --http the change is to the path from the step to the socket: both builds run as workers
 and llama.cpp as llama-server (speed.py's flags), and each streams one greedy request of
@@ -57,13 +58,11 @@ def context_text() -> str:
     return " ".join(f"Item {i} of the inventory is a box of {i % 7 + 2} red apples." for i in range(600))
 
 
-def serve(engine: str, model: str, window: int, windows: int, threads: int, context: int) -> None:
+def serve(engine: str, model: str, window: int, threads: int, context: int) -> None:
     """An engine's side: load, say `ready`, then per line read decode `window` tokens and answer the seconds."""
     import speed
 
-    tokens = window * (windows + 1) + 16  # positions the whole run decodes
-    if context > 1:  # every window at the same positions after the prompt
-        tokens = context + window + 16
+    tokens = max(context, 1) + window + 16  # every window at the same positions after the prompt (speed.py's roofline)
     if engine == "llorch-prompt":  # --http's in-process side: every window at the same positions after the prompt
         import json
 
@@ -126,10 +125,9 @@ def serve(engine: str, model: str, window: int, windows: int, threads: int, cont
             state["token"] = speed.llama_next_token(llm)
     print("ready", flush=True)
     for _ in sys.stdin:
-        if context > 1:  # back to the prompt's end: the window's positions again, its keys and values dropped
-            state.update(origin)
-            if engine != "llorch":
-                llm.n_tokens = len(prompt)  # the next eval takes the cache back to here
+        state.update(origin)  # back to the prompt's end: the window's positions again, its keys and values dropped
+        if engine != "llorch":
+            llm.n_tokens = len(prompt)  # the next eval takes the cache back to here
         started = time.perf_counter()
         for _ in range(window):
             step()
@@ -327,7 +325,7 @@ def main() -> None:
         args.threads = physical_cores()
     if args.serve:
         window = HTTP_WINDOW if args.serve == "llorch-prompt" else WINDOW
-        serve(args.serve, args.model, window, args.windows, args.threads, args.context)
+        serve(args.serve, args.model, window, args.threads, args.context)
         return
     if not args.before:
         parser.error("--before REV is required")
