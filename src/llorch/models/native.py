@@ -229,8 +229,8 @@ class NativeDecoder:
             raise IndexError(f"token id out of range for a vocabulary of {self.vocab}")
         self._bind(cache)
         logits = self._row_logits
-        # Held only by this attribute and getrefcount's argument: no caller kept the last one.
-        if logits is None or sys.getrefcount(logits) > 2:
+        # Held only by this attribute, this local and getrefcount's argument: no caller kept the last one.
+        if logits is None or sys.getrefcount(logits) > 3:
             logits = self._row_logits = np.empty((1, self.vocab), dtype=np.float32)
             self._row_step.logits = logits.ctypes.data
         row = self._row
