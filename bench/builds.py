@@ -8,14 +8,13 @@ rates taken minutes apart, or in separate runs, do not compare. Here each engine
 process holding its own copy of the model: llorch at commit REV (a temporary git worktree,
 its kernels built from its own sources), llorch from TREE (default: this checkout, with its
 uncommitted changes), and llama.cpp through its Python bindings (llama_build.py). They decode
-one greedy stream after a one-token prompt (the weight-bound case), in windows of WINDOW tokens
-in turn, each from the prompt's end again (speed.py's roofline windows), a read probe (speed.py's) between every
-two windows; each window is held to the mean
-of the probes on either side of it. Reported per engine: the median tokens/s and the median
-fraction of the roofline (the file's tensor bytes a token reads, speed.file_bytes_per_token, at the
-probed bandwidth). With --context N every engine first reads a prompt of N tokens, and decodes each
-window at the positions after it, as after the one-token prompt: decode at that context length, where
-attention reads N keys and values a layer for every token.
+one greedy stream after a one-token prompt (the weight-bound case), in windows of WINDOW tokens in turn,
+each from the prompt's end again (as speed.py's roofline windows), a read probe (speed.py's) between
+every two windows; each window is held to the mean of the probes on either side of it. Reported per
+engine: the median tokens/s and the median fraction of the roofline (the file's tensor bytes a token
+reads, speed.file_bytes_per_token, at the probed bandwidth). With --context N every engine first reads a
+prompt of N tokens, and decodes each window at the positions after it, as after the one-token prompt:
+decode at that context length, where attention reads N keys and values a layer for every token.
 
 With --http the change is to the path from the step to the socket: both builds run as workers
 and llama.cpp as llama-server (speed.py's flags), and each streams one greedy request of
@@ -62,7 +61,7 @@ def serve(engine: str, model: str, window: int, threads: int, context: int) -> N
     """An engine's side: load, say `ready`, then per line read decode `window` tokens and answer the seconds."""
     import speed
 
-    tokens = max(context, 1) + window + 16  # every window at the same positions after the prompt (speed.py's roofline)
+    tokens = max(context, 1) + window + 16  # every window at the same positions after the prompt
     if engine == "llorch-prompt":  # --http's in-process side: every window at the same positions after the prompt
         import json
 

@@ -355,7 +355,7 @@ int llorch_matmul_prompt(int type, const uint8_t *w, int64_t n, int64_t k, const
 void llorch_quantize_rows_ws(const float *x, int64_t m, int64_t k, act_block *out);
 /* Each output row's largest value and its first index, as llorch_argmax_rows gives them, found by a product as it
  * writes the outputs: every thread keeps its own, max[t * stride + i] and at[t * stride + i] for row i (at -2
- * where it saw none, -1 where it saw a NaN), and llorch_best_join joins them. */
+ * where it saw none, -1 where it saw a NaN), and llorch_best_join_ws joins them. */
 typedef struct {
     float *max;
     int64_t *at;

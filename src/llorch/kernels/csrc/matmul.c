@@ -221,8 +221,8 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
      * it is fast. Measured on Zen 5 (two threads, windows in turn, each held to a read probe beside
      * it): with the probe at 70-80 GB/s, the 3B file 1.05-1.06x, the 1.1B file 1.06-1.09x; at 40-50 GB/s
      * 1.00-1.03x (the 1.1B file two / three streams 1.04x / 1.05x); the default model level; the
-     * AVX2 kernels 1.01x (measured once they asked at all: simd.h's prefetch_ahead). Nearer is worse for one stream: 2 KiB ahead 0.96x at 70-80 GB/s (an earlier
-     * measurement, 1 KiB: 0.90x). On Zen 4, one stream asking 2 and 4 KiB ahead was measured slower
+     * AVX2 kernels 1.01x (measured once they asked at all: simd.h's prefetch_ahead). Nearer is worse
+     * for one stream: 2 KiB ahead 0.96x at 70-80 GB/s (an earlier measurement, 1 KiB: 0.90x). On Zen 4, one stream asking 2 and 4 KiB ahead was measured slower
      * than the prefetchers alone: to be measured there again. A prompt's many rows are bound by
      * computing: they do not ask. */
     const int ahead = m <= ACT_TILE;
@@ -309,11 +309,13 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
             if (best != NULL && pass == passes - 1) {
                 for (int64_t i = 0; i < m; i++) {
                     const float *row = out + i * n;
+                    float *max = best->max + slot + i;
+                    int64_t *at = best->at + slot + i;
                     if (interleaved) {
-                        note_best(best->max + slot + i, best->at + slot + i, row + 8 * ga, 8 * ga, 8);
-                        if (gb != ga) note_best(best->max + slot + i, best->at + slot + i, row + 8 * gb, 8 * gb, 8);
+                        note_best(max, at, row + 8 * ga, 8 * ga, 8);
+                        if (gb != ga) note_best(max, at, row + 8 * gb, 8 * gb, 8);
                     } else {
-                        note_best(best->max + slot + i, best->at + slot + i, row + j0, j0, j1 - j0);
+                        note_best(max, at, row + j0, j0, j1 - j0);
                     }
                 }
             }
