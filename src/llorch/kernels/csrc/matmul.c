@@ -162,6 +162,120 @@ void llorch_best_join_ws(const row_best *best, int teams, int64_t m, int64_t *ou
     }
 }
 
+/* One product's facts for its chunks, the same for every chunk and pass. */
+typedef struct {
+    const matrix *mats;
+    const matrix_facts *facts;
+    const int64_t *first_chunk;
+    const float *x;
+    const act_block *xq;
+    float *const *outs;
+    const amx_acts *acts;
+    const row_best *best;
+    int64_t m, k, blocks, segments, passes, amx_rows, slot;
+    int ahead;
+} product;
+
+/* Chunk c of a product (sixteen rows of one of its matrices) in pass `pass`; amx_k: the thread's tile configuration. */
+static inline void product_chunk(const product *P, int64_t c, int64_t pass, int *amx_k) {
+    const matrix *mats = P->mats;
+    const matrix_facts *facts = P->facts;
+    const int64_t *first_chunk = P->first_chunk;
+    const float *x = P->x;
+    const act_block *xq = P->xq;
+    float *const *outs = P->outs;
+    const amx_acts *acts = P->acts;
+    const row_best *best = P->best;
+    const int64_t m = P->m, k = P->k, blocks = P->blocks, segments = P->segments, passes = P->passes;
+    const int64_t amx_rows = P->amx_rows, slot = P->slot;
+    const int ahead = P->ahead;
+    const int which = matrix_of(first_chunk, c);
+    const matrix *W = mats + which;
+    const matrix_facts *f = facts + which;
+    const int64_t row_bytes = f->row_bytes, n = W->rows;
+    const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
+    const int is_float = f->is_float, is_signed = f->is_signed, interleaved = f->interleaved, direct = f->direct;
+    if (pass > 0 && !interleaved) return;  /* done in the first */
+    /* Interleaved: chunk `unit` is groups unit and unit + half (eight rows each; a last odd group
+     * alone), so that a thread's consecutive chunks read two long runs of bytes, which the hardware
+     * prefetchers follow, instead of two short runs per chunk (groups 2u and 2u + 1, restarting
+     * every 18 KiB on a 2048-wide matrix). Measured decoding (one stream, two threads, Zen 4, same
+     * process alternating): the 1.1B file 35.8 -> 45.8 tok/s (gate and up 22 -> 31 GB/s), the 3B
+     * file 13.1 -> 15.7. Asking for the bytes ahead in software, every line or only each run's
+     * first ones, was slower than leaving it to the prefetchers here. */
+    const int64_t half = n / 8 / 2, unit = c - first_chunk[which];
+    const int64_t ga = unit < half ? unit : 2 * half, gb = unit < half ? unit + half : ga;
+    float *out = outs[which];
+    /* the unpacked row's scratch, which only the row-at-a-time path below reads */
+    unpacked_row u = {NULL, NULL, NULL};
+    if (!interleaved) {
+        u = scratch_row(is_float || direct ? QK : k);
+        if (u.v == NULL) return;
+    }
+    /* Sixteen activation rows at a time on AMX where the CPU has it; the rest below, same bits. */
+    const int64_t first_row = amx_rows > 0 ? f->amx_rows : 0;
+    if (first_row > 0 && pass == 0)
+        llorch_amx_groups(W->type, W->data, n, k, ga, gb, acts, first_row / 16, out, n, amx_k);
+    const int64_t block_values = f->block_values, group_bytes = f->group_bytes;
+    for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
+        const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
+        if (interleaved) {  /* eight weight rows per instruction, up to eight activation rows at a time */
+            /* this pass's segment, or every segment in turn */
+            const int64_t first_segment = passes > 1 ? pass : 0, end = passes > 1 ? pass + 1 : segments;
+            for (int64_t segment = first_segment; segment < end; segment++) {
+                /* the segment's bytes, values and first activation block */
+                const uint8_t *w = W->data + llorch_block_at(group_bytes, block_values, n / 8, k, 0,
+                                                             segment * (SEGMENT / block_values));
+                const int64_t width = k - segment * SEGMENT < SEGMENT ? k - segment * SEGMENT : SEGMENT;
+                /* INTERLEAVED_TILE rows at a time while as many are left, then four at most */
+                for (int64_t i = i0, tile; i < i1; i += tile) {
+                    tile = i1 - i >= INTERLEAVED_TILE ? INTERLEAVED_TILE : i1 - i < 4 ? i1 - i : 4;
+                    const act_block *rows[INTERLEAVED_TILE];
+                    for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks + segment * (SEGMENT / QK);
+                    llorch_interleaved_groups(W->type, w, width, ga, gb, rows, tile, out + i * n, n,
+                                              segment > 0, ahead);
+                }
+            }
+            continue;
+        }
+        if (direct) {  /* decoded in registers, four activation rows at a time */
+            for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
+                const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
+                const act_block *rows[DIRECT_TILE];
+                for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
+                llorch_direct_rows(W->type, W->data, row_bytes, j0, j1, k, rows, tile, out + i * n, n, i == 0);
+            }
+            continue;
+        }
+        for (int64_t j = j0; j < j1; j++) {
+            const uint8_t *row = W->data + j * row_bytes;
+            if (is_float) {
+                for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_float(W->type, row, x + i * k, k);
+            } else {
+                llorch_unpack_row(W->type, row, k, &u);
+                for (int64_t i = i0; i < i1; i++)
+                    out[i * n + j] = dot_unpacked(&u, xq + i * blocks, blocks, is_signed);
+            }
+        }
+    }
+    /* The chunk's outputs are final once its last pass is done: noted while they are in cache. Why:
+     * found after the step, the argmax read the logits once more, 40 us a token on the default
+     * model's 262k vocabulary (two threads, Zen 5), which is 1% of its step. */
+    if (best != NULL && pass == passes - 1) {
+        for (int64_t i = 0; i < m; i++) {
+            const float *row = out + i * n;
+            float *max = best->max + slot + i;
+            int64_t *at = best->at + slot + i;
+            if (interleaved) {
+                note_best(max, at, row + 8 * ga, 8 * ga, 8);
+                if (gb != ga) note_best(max, at, row + 8 * gb, 8 * gb, 8);
+            } else {
+                note_best(max, at, row + j0, j0, j1 - j0);
+            }
+        }
+    }
+}
+
 void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const act_block *xq, int64_t m,
                             float *const *outs, const row_best *best) {
     int64_t first_chunk[4] = {0, 0, 0, 0};
@@ -226,101 +340,39 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
      * than the prefetchers alone: to be measured there again. A prompt's many rows are bound by
      * computing: they do not ask. */
     const int ahead = m <= ACT_TILE;
+    /* A decode step's rows, few: each thread takes a fixed share of the chunks (static), the same share in every
+     * pass, so that no pass waits for the one before (each output goes on in the thread that began it) and no
+     * chunk is claimed through a count both threads write. Why: where the host puts the two threads on cores
+     * that share no cache, a line passing between them takes 400-700 ns instead of 100 (and the read probe
+     * finds 60-75 GB/s instead of 30-50); guided's claims and the barriers between passes then cost every
+     * product a few microseconds. Measured decoding one stream (two threads, Zen 5, windows in turn, each held
+     * to a read probe): at 65-75 GB/s the default model 0.87-0.88 -> 0.94-0.95 of the probe, the 1.1B file
+     * 0.89-0.91 -> 0.93-0.94; at 40-45 GB/s level; 8 and 32 streams level. More rows (a prompt's, bound by
+     * computing) keep guided: each thread first takes a long run of chunks, then ever shorter ones, so the
+     * faster thread takes more instead of waiting at the barrier (measured decoding the 1.1B file when it
+     * was guided for every product, two threads, Zen 4: 38.5 -> 42.9 tok/s; to be measured there again). */
+    const int fixed = ahead;
+    const product P = {mats, facts, first_chunk, x, xq, outs, &acts, best, m, k, blocks, segments, passes, amx_rows,
+                       slot, ahead};
+    const int64_t chunks = first_chunk[count];
     for (int64_t pass = 0; pass < passes; pass++) {
+        if (fixed) {
 #ifdef _OPENMP
-    /* Guided: each thread first takes a long run of chunks, then ever shorter ones, so the thread
-     * that memory serves faster takes more instead of waiting at the barrier for the other. Measured
-     * decoding the 1.1B file (two threads, Zen 4, same process alternating): 38.5 -> 42.9 tok/s. */
+#pragma omp for schedule(static) nowait
+#endif
+            for (int64_t c = 0; c < chunks; c++) product_chunk(&P, c, pass, &amx_k);
+        } else {
+#ifdef _OPENMP
 #pragma omp for schedule(guided, 8)
 #endif
-        for (int64_t c = 0; c < first_chunk[count]; c++) {
-            const int which = matrix_of(first_chunk, c);
-            const matrix *W = mats + which;
-            const matrix_facts *f = facts + which;
-            const int64_t row_bytes = f->row_bytes, n = W->rows;
-            const int64_t j0 = (c - first_chunk[which]) * ROW_CHUNK, j1 = j0 + ROW_CHUNK < n ? j0 + ROW_CHUNK : n;
-            const int is_float = f->is_float, is_signed = f->is_signed, interleaved = f->interleaved, direct = f->direct;
-            if (pass > 0 && !interleaved) continue;  /* done in the first */
-            /* Interleaved: chunk `unit` is groups unit and unit + half (eight rows each; a last odd group
-             * alone), so that a thread's consecutive chunks read two long runs of bytes, which the hardware
-             * prefetchers follow, instead of two short runs per chunk (groups 2u and 2u + 1, restarting
-             * every 18 KiB on a 2048-wide matrix). Measured decoding (one stream, two threads, Zen 4, same
-             * process alternating): the 1.1B file 35.8 -> 45.8 tok/s (gate and up 22 -> 31 GB/s), the 3B
-             * file 13.1 -> 15.7. Asking for the bytes ahead in software, every line or only each run's
-             * first ones, was slower than leaving it to the prefetchers here. */
-            const int64_t half = n / 8 / 2, unit = c - first_chunk[which];
-            const int64_t ga = unit < half ? unit : 2 * half, gb = unit < half ? unit + half : ga;
-            float *out = outs[which];
-            /* the unpacked row's scratch, which only the row-at-a-time path below reads */
-            unpacked_row u = {NULL, NULL, NULL};
-            if (!interleaved) {
-                u = scratch_row(is_float || direct ? QK : k);
-                if (u.v == NULL) continue;
-            }
-            /* Sixteen activation rows at a time on AMX where the CPU has it; the rest below, same bits. */
-            const int64_t first_row = amx_rows > 0 ? f->amx_rows : 0;
-            if (first_row > 0 && pass == 0)
-                llorch_amx_groups(W->type, W->data, n, k, ga, gb, &acts, first_row / 16, out, n, &amx_k);
-            const int64_t block_values = f->block_values, group_bytes = f->group_bytes;
-            for (int64_t i0 = first_row; i0 < m; i0 += ACT_TILE) {
-                const int64_t i1 = i0 + ACT_TILE < m ? i0 + ACT_TILE : m;
-                if (interleaved) {  /* eight weight rows per instruction, up to eight activation rows at a time */
-                    /* this pass's segment, or every segment in turn */
-                    const int64_t first_segment = passes > 1 ? pass : 0, end = passes > 1 ? pass + 1 : segments;
-                    for (int64_t segment = first_segment; segment < end; segment++) {
-                        /* the segment's bytes, values and first activation block */
-                        const uint8_t *w = W->data + llorch_block_at(group_bytes, block_values, n / 8, k, 0,
-                                                                     segment * (SEGMENT / block_values));
-                        const int64_t width = k - segment * SEGMENT < SEGMENT ? k - segment * SEGMENT : SEGMENT;
-                        /* INTERLEAVED_TILE rows at a time while as many are left, then four at most */
-                        for (int64_t i = i0, tile; i < i1; i += tile) {
-                            tile = i1 - i >= INTERLEAVED_TILE ? INTERLEAVED_TILE : i1 - i < 4 ? i1 - i : 4;
-                            const act_block *rows[INTERLEAVED_TILE];
-                            for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks + segment * (SEGMENT / QK);
-                            llorch_interleaved_groups(W->type, w, width, ga, gb, rows, tile, out + i * n, n,
-                                                      segment > 0, ahead);
-                        }
-                    }
-                    continue;
-                }
-                if (direct) {  /* decoded in registers, four activation rows at a time */
-                    for (int64_t i = i0; i < i1; i += DIRECT_TILE) {
-                        const int tile = i1 - i < DIRECT_TILE ? (int)(i1 - i) : DIRECT_TILE;
-                        const act_block *rows[DIRECT_TILE];
-                        for (int t = 0; t < tile; t++) rows[t] = xq + (i + t) * blocks;
-                        llorch_direct_rows(W->type, W->data, row_bytes, j0, j1, k, rows, tile, out + i * n, n, i == 0);
-                    }
-                    continue;
-                }
-                for (int64_t j = j0; j < j1; j++) {
-                    const uint8_t *row = W->data + j * row_bytes;
-                    if (is_float) {
-                        for (int64_t i = i0; i < i1; i++) out[i * n + j] = dot_float(W->type, row, x + i * k, k);
-                    } else {
-                        llorch_unpack_row(W->type, row, k, &u);
-                        for (int64_t i = i0; i < i1; i++)
-                            out[i * n + j] = dot_unpacked(&u, xq + i * blocks, blocks, is_signed);
-                    }
-                }
-            }
-            /* The chunk's outputs are final once its last pass is done: noted while they are in cache. Why:
-             * found after the step, the argmax read the logits once more, 40 us a token on the default
-             * model's 262k vocabulary (two threads, Zen 5), which is 1% of its step. */
-            if (best != NULL && pass == passes - 1) {
-                for (int64_t i = 0; i < m; i++) {
-                    const float *row = out + i * n;
-                    float *max = best->max + slot + i;
-                    int64_t *at = best->at + slot + i;
-                    if (interleaved) {
-                        note_best(max, at, row + 8 * ga, 8 * ga, 8);
-                        if (gb != ga) note_best(max, at, row + 8 * gb, 8 * gb, 8);
-                    } else {
-                        note_best(max, at, row + j0, j0, j1 - j0);
-                    }
-                }
-            }
+            for (int64_t c = 0; c < chunks; c++) product_chunk(&P, c, pass, &amx_k);
         }
     }
+#ifdef _OPENMP
+    if (fixed) {
+#pragma omp barrier
+    }
+#endif
     if (amx_rows > 0 || acts.q || acts.d || acts.dsum) {  /* after the loop's barrier: every chunk is done */
 #ifdef _OPENMP
 #pragma omp single nowait
