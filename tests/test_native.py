@@ -110,6 +110,17 @@ def test_decoding_token_by_token_gives_the_bits_of_one_prompt_pass(served: Loade
     assert torch.equal(at_once, stepped)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_decodes_alone_to_the_bits_of_one_prompt_pass(zoo: dict[str, Path], arch: str) -> None:
+    """A lone decoding row runs the step's own path (each thread its copy of the residual stream; at short
+    context, each thread its kv heads from RoPE to the softmax, in one phase): every architecture's biases,
+    norms, sliding windows and grouped heads give, row by row, the bits of the general path, before and
+    past the context where attention splits into chunks of keys (ATTN_CHUNK, 128)."""
+    loaded = load_blocks(exported(zoo, arch, Q.Q8_0))
+    ids = [(7 * i + 3) % 200 + 10 for i in range(140)]
+    assert torch.equal(all_logits(loaded, ids), all_logits_stepped(loaded, ids))
+
+
 def all_logits_stepped(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
     from conftest import model_device, new_cache
     from llorch.models.step_batch import contiguous_step

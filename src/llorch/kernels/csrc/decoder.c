@@ -173,6 +173,64 @@ static inline int64_t claim(int64_t *count) {
     return taken;
 }
 
+/* The rows of a step that are a prompt's own (from prompt_from on). */
+static inline int64_t prompt_rows_of(const step_desc *S) { return S->prompt_from < S->rows ? S->rows - S->prompt_from : 0; }
+
+/* Token `token`'s embedding row, scaled where the model scales it. */
+static inline void embed_row(const model_desc *M, int64_t token, float *out) {
+    const matrix *E = M->embed;
+    llorch_matrix_row(E->type, E->data, E->rows, M->hidden, token, out);
+    if (M->embed_scale != 0.0f)
+        for (int64_t i = 0; i < M->hidden; i++) out[i] *= M->embed_scale;
+}
+
+/* Row r's kv head g: the biases, per-head norms and RoPE of its query heads and of its key, and its key and value
+ * into the cache. Every head's values depend on that head's alone, so a row's heads give the same bits
+ * whichever thread takes them, in whatever order. */
+static inline void group_heads(const model_desc *M, const step_desc *S, const layer_desc *L, int64_t r, int64_t g,
+                               float *q, float *k, float *v, const float *cos_row, const float *sin_row) {
+    const int64_t HD = M->head_dim, group = M->heads / M->kv_heads;
+    const int64_t at_q = r * M->heads * HD + g * group * HD, at_kv = (r * M->kv_heads + g) * HD;
+    float *qr = q + at_q, *kr = k + at_kv, *vr = v + at_kv;
+    for (int64_t i = 0; L->q_bias && i < group * HD; i++) qr[i] += L->q_bias[g * group * HD + i];
+    for (int64_t i = 0; L->k_bias && i < HD; i++) kr[i] += L->k_bias[g * HD + i];
+    for (int64_t i = 0; L->v_bias && i < HD; i++) vr[i] += L->v_bias[g * HD + i];
+    if (L->q_norm) {
+        for (int64_t hh = 0; hh < group; hh++) rms_norm(qr + hh * HD, L->q_norm, HD, M->eps, qr + hh * HD);
+        rms_norm(kr, L->k_norm, HD, M->eps, kr);
+    }
+    rope(qr, group, HD, cos_row, sin_row);
+    rope(kr, 1, HD, cos_row, sin_row);
+    /* the cache is [kv_heads, kv_slots, head_dim] */
+    store_fp16(L->keys + (g * L->kv_slots + S->write_slots[r]) * HD, kr, HD);
+    store_fp16(L->values + (g * L->kv_slots + S->write_slots[r]) * HD, vr, HD);
+}
+
+/* Query head `head` of row r: the softmax over all its visible positions, from its chunks' parts, into attn; quantized
+ * there too where o reads it so and a head is whole blocks of the row's quantized form. */
+static inline void combine_head(const model_desc *M, const step_desc *S, const layer_desc *L, const float *parts,
+                                int64_t max_chunks, int64_t part_size, int64_t r, int64_t head, float *attn,
+                                int quantize, act_block *xq) {
+    const int64_t HD = M->head_dim, NQ = M->heads * HD, group = M->heads / M->kv_heads;
+    const int64_t g = head / group, within = head % group, position = S->positions[r];
+    const int64_t lowest = L->window > 0 && position + 1 > L->window ? position + 1 - L->window : 0;
+    const int64_t chunks = (position - lowest) / ATTN_CHUNK + 1;
+    const float *first = parts + ((r * M->kv_heads + g) * max_chunks) * part_size + within * (HD + 2);
+    float best = -INFINITY;
+    for (int64_t c = 0; c < chunks; c++) best = first[c * part_size] > best ? first[c * part_size] : best;
+    float total = 0.0f;
+    float *out = attn + r * NQ + head * HD;
+    for (int64_t d = 0; d < HD; d++) out[d] = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *part = first + c * part_size, weight = v_exp(part[0] - best);
+        total += weight * part[1];
+        for (int64_t d = 0; d < HD; d++) out[d] += weight * part[2 + d];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t d = 0; d < HD; d++) out[d] *= inverse;
+    if (quantize) llorch_quantize_rows(out, 1, HD, xq + (r * NQ + head * HD) / QK);
+}
+
 /* -- the step ------------------------------------------------------------------------------------ */
 int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads) {
     const int64_t R = S->rows, H = M->hidden, HD = M->head_dim, NQ = M->heads * HD, NKV = M->kv_heads * HD;
@@ -184,6 +242,14 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     const int teams = threads > 1 ? threads : 1;
     const int64_t activation_spans = (I + SPAN - 1) / SPAN;
     const int whole_heads = HD % QK == 0; /* a head's values are whole blocks of the quantized row */
+    /* One decoding row alone (one stream): every thread keeps its own copy of the row's residual stream and
+     * computes the norms after each residual itself, into its own input of the next product, and at short
+     * context each thread's kv heads take their RoPE, cache writes, attention and softmax in one phase. Why:
+     * each phase that one thread did for the row ended in a barrier and sent its output to the other
+     * thread's cache; where the host puts the two threads on cores that share no cache, a barrier took some
+     * 0.5 us and each line passed 0.4-0.7 us. A layer's barriers went from eleven to six. */
+    const int lone = R == 1 && prompt_rows_of(S) == 0 && M->layers > 0;
+    const int fused_attention = lone && max_chunks == 1;
 
     /* Every buffer up front, each checked: a failure fails this step, never the process. */
     float *x = llorch_alloc(sizeof(float) * (size_t)(R * H)), *h = llorch_alloc(sizeof(float) * (size_t)(R * widest));
@@ -195,7 +261,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     act_block *xq = llorch_alloc(sizeof(act_block) * (size_t)(R * widest / QK));
     float *rope_tables = llorch_alloc(sizeof(float) * (size_t)(4 * R * HD));
     /* the prompt rows' activations as bfloat16 tiles, where a kernel reads them (amx_bf16.c) */
-    const int64_t prompt_rows = S->prompt_from < R ? R - S->prompt_from : 0;
+    const int64_t prompt_rows = prompt_rows_of(S);
     const int64_t xb_values = prompt_rows > 0 ? llorch_bf16_acts_values(prompt_rows, widest) : 0;
     uint16_t *xb = xb_values > 0 ? llorch_alloc(sizeof(uint16_t) * (size_t)xb_values) : NULL;
     float *all_scores = llorch_alloc(sizeof(float) * (size_t)(teams * group * ATTN_CHUNK));
@@ -205,8 +271,11 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     float *best_max = llorch_alloc(sizeof(float) * (size_t)(spans > 0 ? spans : 1));
     int64_t *best_at = llorch_alloc(sizeof(int64_t) * (size_t)(spans > 0 ? spans : 1));
     int64_t *claims = llorch_alloc(sizeof(int64_t) * (size_t)(M->layers > 0 ? M->layers : 1));
+    /* a lone row's copies per thread: its residual stream, its norm, a scratch row, and the norm quantized */
+    float *own_rows = llorch_alloc(sizeof(float) * (size_t)(lone ? teams * 3 * H : 1));
+    act_block *own_blocks = llorch_alloc(sizeof(act_block) * (size_t)(lone ? teams * (H / QK + 1) : 1));
     void *buffers[] = {x, h, q, k, v, attn, o, gate, up, parts, xq, rope_tables, all_scores, best_max, best_at, claims,
-                       xb};
+                       own_rows, own_blocks, xb};
     const int count = (int)(sizeof(buffers) / sizeof(buffers[0]));
     int missing = xb_values > 0 && xb == NULL;
     for (int i = 0; i < count - 1; i++) missing |= buffers[i] == NULL;
@@ -233,10 +302,16 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #endif
     {
 #ifdef _OPENMP
-        float *scores = all_scores + (int64_t)omp_get_thread_num() * group * ATTN_CHUNK;
+        const int tid = omp_get_thread_num();
 #else
-        float *scores = all_scores;
+        const int tid = 0;
 #endif
+        float *scores = all_scores + (int64_t)tid * group * ATTN_CHUNK;
+        /* the row's residual stream, its norm (the next product's input), scratch, and the norm quantized: this
+         * thread's own copies where the row is alone, else the step's shared rows */
+        float *own_x = lone ? own_rows + (int64_t)tid * 3 * H : x, *own_h = lone ? own_x + H : h;
+        float *own_scratch = own_x + 2 * H;
+        act_block *own_xq = lone ? own_blocks + (int64_t)tid * (H / QK + 1) : xq;
         PROFILE_START();
 
         /* the RoPE angles of every row, per variant: cos and sin tables [variant][row][head_dim] */
@@ -256,15 +331,18 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             }
         }
 
-        /* token embeddings, and the first layer's attention input */
+        /* token embeddings, and the first layer's attention input (a lone row's by every thread, into its own) */
+        if (lone) {
+            embed_row(M, S->tokens[0], own_x);
+            attention_input(M, M->layer, own_x, own_h, 0, first_quantized, own_xq);
+        } else {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t r = 0; r < R; r++) {
-            const matrix *E = M->embed;
-            llorch_matrix_row(E->type, E->data, E->rows, H, S->tokens[r], x + r * H);
-            if (M->embed_scale != 0.0f) for (int64_t i = 0; i < H; i++) x[r * H + i] *= M->embed_scale;
-            if (M->layers > 0) attention_input(M, M->layer, x + r * H, h + r * H, r, first_quantized, xq);
+            for (int64_t r = 0; r < R; r++) {
+                embed_row(M, S->tokens[r], x + r * H);
+                if (M->layers > 0) attention_input(M, M->layer, x + r * H, h + r * H, r, first_quantized, xq);
+            }
         }
 
         PROFILE(PH_SETUP);
@@ -281,28 +359,33 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             /* q, k, v in one worksharing loop (their input was normed and quantized by the phase before) */
             const matrix qkv[3] = {L->q, L->k, L->v};
             float *qkv_out[3] = {q, k, v};
-            project(qkv, 3, h, R, H, xq, xb, S->prompt_from, qkv_out, PH_QKV, NULL);
+            project(qkv, 3, own_h, R, H, own_xq, xb, S->prompt_from, qkv_out, PH_QKV, NULL);
 
+            if (fused_attention) {
+                /* a lone row at short context: each thread its kv heads, from RoPE to the softmax (one chunk of keys
+                 * each, combined as below) */
+                for (int64_t g = tid; g < M->kv_heads; g += teams) {
+                    group_heads(M, S, L, 0, g, q, k, v, cos_table, sin_table);
+                    const work_item w = item_span(M, S, L, 1, g);
+                    llorch_attend_chunk_then(q, L->keys, L->values, g, group, HD, HD, L->kv_slots * HD, M->attn_scale,
+                                             S->slots + S->slot_start[0], w.first, w.last, scores, parts + g * part_size,
+                                             1, NULL);
+                    for (int64_t head = g * group; head < (g + 1) * group; head++)
+                        combine_head(M, S, L, parts, 1, part_size, 0, head, attn, whole_heads && o_quantized > 0, xq);
+                }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+                if (!whole_heads) llorch_quantize_rows_ws(attn, o_quantized, NQ, xq);
+                PROFILE(PH_ATTEND);
+            } else {
             /* biases, per-head norms, RoPE, and the new keys and values into the cache */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t r = 0; r < R; r++) {
-                float *qr = q + r * NQ, *kr = k + r * NKV, *vr = v + r * NKV;
-                for (int64_t i = 0; L->q_bias && i < NQ; i++) qr[i] += L->q_bias[i];
-                for (int64_t i = 0; L->k_bias && i < NKV; i++) kr[i] += L->k_bias[i];
-                for (int64_t i = 0; L->v_bias && i < NKV; i++) vr[i] += L->v_bias[i];
-                if (L->q_norm) {
-                    for (int64_t hh = 0; hh < M->heads; hh++) rms_norm(qr + hh * HD, L->q_norm, HD, M->eps, qr + hh * HD);
-                    for (int64_t hh = 0; hh < M->kv_heads; hh++) rms_norm(kr + hh * HD, L->k_norm, HD, M->eps, kr + hh * HD);
-                }
-                rope(qr, M->heads, HD, cos_table + r * HD, sin_table + r * HD);
-                rope(kr, M->kv_heads, HD, cos_table + r * HD, sin_table + r * HD);
-                for (int64_t g = 0; g < M->kv_heads; g++) {  /* the cache is [kv_heads, kv_slots, head_dim] */
-                    store_fp16(L->keys + (g * L->kv_slots + S->write_slots[r]) * HD, kr + g * HD, HD);
-                    store_fp16(L->values + (g * L->kv_slots + S->write_slots[r]) * HD, vr + g * HD, HD);
-                }
-            }
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t g = 0; g < M->kv_heads; g++)
+                    group_heads(M, S, L, r, g, q, k, v, cos_table + r * HD, sin_table + r * HD);
             PROFILE(PH_ROPE_CACHE);
 
             /* attention: each row over its own visible positions, in fixed chunks of keys. Each thread takes
@@ -335,31 +418,29 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #pragma omp for schedule(static)
 #endif
             for (int64_t rh = 0; rh < R * M->heads; rh++) {
-                const int64_t r = rh / M->heads, head = rh % M->heads, g = head / group, within = head % group;
-                const int64_t position = S->positions[r];
-                const int64_t lowest = L->window > 0 && position + 1 > L->window ? position + 1 - L->window : 0;
-                const int64_t chunks = (position - lowest) / ATTN_CHUNK + 1;
-                const float *first = parts + ((r * M->kv_heads + g) * max_chunks) * part_size + within * (HD + 2);
-                float best = -INFINITY;
-                for (int64_t c = 0; c < chunks; c++) best = first[c * part_size] > best ? first[c * part_size] : best;
-                float total = 0.0f;
-                float *out = attn + r * NQ + head * HD;
-                for (int64_t d = 0; d < HD; d++) out[d] = 0.0f;
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *part = first + c * part_size, weight = v_exp(part[0] - best);
-                    total += weight * part[1];
-                    for (int64_t d = 0; d < HD; d++) out[d] += weight * part[2 + d];
-                }
-                const float inverse = 1.0f / total;
-                for (int64_t d = 0; d < HD; d++) out[d] *= inverse;
-                /* a head is whole blocks of the row's quantized form, quantized here as it is done */
-                if (whole_heads && r < o_quantized) llorch_quantize_rows(out, 1, HD, xq + (r * NQ + head * HD) / QK);
+                const int64_t r = rh / M->heads;
+                combine_head(M, S, L, parts, max_chunks, part_size, r, rh % M->heads, attn,
+                             whole_heads && r < o_quantized, xq);
             }
             if (!whole_heads) llorch_quantize_rows_ws(attn, o_quantized, NQ, xq);
             PROFILE(PH_COMBINE);
+            }
 
             /* output projection and the residual, then the MLP's input normed and quantized */
             project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O, NULL);
+            if (lone) {  /* by every thread, into its own copies: o is read, not written */
+                for (int64_t i = 0; i < H; i++) own_scratch[i] = o[i];
+                for (int64_t i = 0; L->o_bias && i < H; i++) own_scratch[i] += L->o_bias[i];
+                if (M->sandwich) {
+                    rms_norm(own_scratch, L->post_attn_norm, H, M->eps, own_scratch);
+                    for (int64_t i = 0; i < H; i++) own_x[i] += own_scratch[i];
+                    rms_norm(own_x, L->pre_ffn_norm, H, M->eps, own_h);
+                } else {
+                    for (int64_t i = 0; i < H; i++) own_x[i] += own_scratch[i];
+                    rms_norm(own_x, L->post_attn_norm, H, M->eps, own_h);
+                }
+                quantize_input(own_h, 0, H, gate_up_quantized, own_xq);
+            } else {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -376,11 +457,12 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 }
                 quantize_input(h + r * H, r, H, gate_up_quantized, xq);
             }
+            }
             PROFILE(PH_RESIDUAL);
 
             /* the MLP */
             float *gate_up_out[2] = {gate, up};
-            project(gate_up, 2, h, R, H, xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP, NULL);
+            project(gate_up, 2, own_h, R, H, own_xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP, NULL);
             /* the activation in spans of each row, so that one decoding row's is shared by the threads;
              * each span quantized as it is done (whole blocks: SPAN is a multiple of 32) */
 #ifdef _OPENMP
@@ -405,29 +487,44 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             PROFILE(PH_ACTIVATION);
             project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN, NULL);
             /* the residual, then the next layer's attention input normed and quantized */
+            if (lone) {  /* by every thread, into its own copies */
+                for (int64_t i = 0; i < H; i++) own_scratch[i] = o[i];
+                if (M->sandwich) rms_norm(own_scratch, L->post_ffn_norm, H, M->eps, own_scratch);
+                for (int64_t i = 0; i < H; i++) own_x[i] += own_scratch[i];
+                if (l + 1 < M->layers) attention_input(M, L + 1, own_x, own_h, 0, next_quantized, own_xq);
+            } else {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t r = 0; r < R; r++) {
-                float *xr = x + r * H, *orow = o + r * H;
-                if (M->sandwich) rms_norm(orow, L->post_ffn_norm, H, M->eps, orow);
-                for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
-                if (l + 1 < M->layers) attention_input(M, L + 1, xr, h + r * H, r, next_quantized, xq);
+                for (int64_t r = 0; r < R; r++) {
+                    float *xr = x + r * H, *orow = o + r * H;
+                    if (M->sandwich) rms_norm(orow, L->post_ffn_norm, H, M->eps, orow);
+                    for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
+                    if (l + 1 < M->layers) attention_input(M, L + 1, xr, h + r * H, r, next_quantized, xq);
+                }
             }
             PROFILE(PH_RESIDUAL);
         }
 
         /* final norm and the vocabulary projection of the wanted rows */
         const int64_t wanted = S->logit_rows_count;
+        if (lone) {
+            if (wanted > 0) {
+                rms_norm(own_x, M->final_norm, H, M->eps, own_h);
+                quantize_input(own_h, 0, H, head_quantized, own_xq);
+            }
+        } else {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t i = 0; i < wanted; i++) {
-            rms_norm(x + S->logit_rows[i] * H, M->final_norm, H, M->eps, h + i * H);
-            quantize_input(h + i * H, i, H, head_quantized, xq);
+            for (int64_t i = 0; i < wanted; i++) {
+                rms_norm(x + S->logit_rows[i] * H, M->final_norm, H, M->eps, h + i * H);
+                quantize_input(h + i * H, i, H, head_quantized, xq);
+            }
         }
         PROFILE(PH_NORM);
-        project(M->head, 1, h, wanted, H, xq, NULL, wanted, &S->logits, PH_HEAD, head_finds_best ? &bests : NULL);
+        project(M->head, 1, own_h, wanted, H, own_xq, NULL, wanted, &S->logits, PH_HEAD,
+                head_finds_best ? &bests : NULL);
         if (head_finds_best) llorch_best_join_ws(&bests, teams, wanted, S->best);
         if (M->logit_softcap != 0.0f) {
             const float cap = M->logit_softcap;
