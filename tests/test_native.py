@@ -11,6 +11,9 @@ bit-exactly below). The accuracy of the block types is test_quantized.py's subje
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,6 +122,27 @@ def test_every_architecture_decodes_alone_to_the_bits_of_one_prompt_pass(zoo: di
     loaded = load_blocks(exported(zoo, arch, Q.Q8_0))
     ids = [(7 * i + 3) % 200 + 10 for i in range(140)]
     assert torch.equal(all_logits(loaded, ids), all_logits_stepped(loaded, ids))
+
+
+def test_a_step_given_fewer_threads_than_it_asks_for_still_computes_every_kv_head(zoo: dict[str, Path]) -> None:
+    """A thread limit (OMP_THREAD_LIMIT) can give the step fewer threads than it asks for: a lone row's kv heads
+    are shared among the threads the step has, so none is left uncomputed."""
+    script = "\n".join([
+        f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1] / 'bench')!r}]",
+        "from pathlib import Path",
+        "import torch",
+        "from conftest import all_logits",
+        "from llorch.kernels import build",
+        "from test_native import all_logits_stepped, load_blocks",
+        "build.set_threads(2)",
+        f"loaded = load_blocks(Path({str(exported(zoo, 'llama', Q.Q8_0))!r}))",
+        "ids = [(7 * i + 3) % 200 + 10 for i in range(20)]",
+        "print(torch.equal(all_logits(loaded, ids), all_logits_stepped(loaded, ids)))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "OMP_THREAD_LIMIT": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
 
 
 def all_logits_stepped(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:

@@ -302,9 +302,9 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 #endif
     {
 #ifdef _OPENMP
-        const int tid = omp_get_thread_num();
+        const int tid = omp_get_thread_num(), crew = omp_get_num_threads(); /* the threads the region has */
 #else
-        const int tid = 0;
+        const int tid = 0, crew = 1;
 #endif
         float *scores = all_scores + (int64_t)tid * group * ATTN_CHUNK;
         /* the row's residual stream, its norm (the next product's input), scratch, and the norm quantized: this
@@ -364,7 +364,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             if (fused_attention) {
                 /* a lone row at short context: each thread its kv heads, from RoPE to the softmax (one chunk of keys
                  * each, combined as below) */
-                for (int64_t g = tid; g < M->kv_heads; g += teams) {
+                for (int64_t g = tid; g < M->kv_heads; g += crew) {
                     group_heads(M, S, L, 0, g, q, k, v, cos_table, sin_table);
                     const work_item w = item_span(M, S, L, 1, g);
                     llorch_attend_chunk_then(q, L->keys, L->values, g, group, HD, HD, L->kv_slots * HD, M->attn_scale,
