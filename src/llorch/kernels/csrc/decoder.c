@@ -173,8 +173,38 @@ static inline int64_t claim(int64_t *count) {
     return taken;
 }
 
+/* Row r's residual after attention: its o row (with the bias, and normed where the norms sandwich) added to x_row,
+ * then the MLP's input normed into h_row and quantized where gate and up read it so. `added` takes the o row's
+ * changes: the o row itself, or a copy where other threads still read the row (a lone row's). */
+static inline void attention_residual(const model_desc *M, const layer_desc *L, const float *o_row, float *added,
+                                      float *x_row, float *h_row, int64_t r, int64_t quantized, act_block *xq) {
+    const int64_t H = M->hidden;
+    for (int64_t i = 0; added != o_row && i < H; i++) added[i] = o_row[i];
+    for (int64_t i = 0; L->o_bias && i < H; i++) added[i] += L->o_bias[i];
+    if (M->sandwich) {
+        rms_norm(added, L->post_attn_norm, H, M->eps, added);
+        for (int64_t i = 0; i < H; i++) x_row[i] += added[i];
+        rms_norm(x_row, L->pre_ffn_norm, H, M->eps, h_row);
+    } else {
+        for (int64_t i = 0; i < H; i++) x_row[i] += added[i];
+        rms_norm(x_row, L->post_attn_norm, H, M->eps, h_row);
+    }
+    quantize_input(h_row, r, H, quantized, xq);
+}
+
+/* Row r's residual after the MLP: its down row (normed where the norms sandwich) added to x_row; `added` as above. */
+static inline void mlp_residual(const model_desc *M, const layer_desc *L, const float *down_row, float *added,
+                                float *x_row) {
+    const int64_t H = M->hidden;
+    for (int64_t i = 0; added != down_row && i < H; i++) added[i] = down_row[i];
+    if (M->sandwich) rms_norm(added, L->post_ffn_norm, H, M->eps, added);
+    for (int64_t i = 0; i < H; i++) x_row[i] += added[i];
+}
+
 /* The rows of a step that are a prompt's own (from prompt_from on). */
-static inline int64_t prompt_rows_of(const step_desc *S) { return S->prompt_from < S->rows ? S->rows - S->prompt_from : 0; }
+static inline int64_t prompt_rows_of(const step_desc *S) {
+    return S->prompt_from < S->rows ? S->rows - S->prompt_from : 0;
+}
 
 /* Token `token`'s embedding row, scaled where the model scales it. */
 static inline void embed_row(const model_desc *M, int64_t token, float *out) {
@@ -368,8 +398,8 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                     group_heads(M, S, L, 0, g, q, k, v, cos_table, sin_table);
                     const work_item w = item_span(M, S, L, 1, g);
                     llorch_attend_chunk_then(q, L->keys, L->values, g, group, HD, HD, L->kv_slots * HD, M->attn_scale,
-                                             S->slots + S->slot_start[0], w.first, w.last, scores, parts + g * part_size,
-                                             1, NULL);
+                                             S->slots + S->slot_start[0], w.first, w.last, scores,
+                                             parts + g * part_size, 1, NULL);
                     for (int64_t head = g * group; head < (g + 1) * group; head++)
                         combine_head(M, S, L, parts, 1, part_size, 0, head, attn, whole_heads && o_quantized > 0, xq);
                 }
@@ -379,84 +409,64 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 if (!whole_heads) llorch_quantize_rows_ws(attn, o_quantized, NQ, xq);
                 PROFILE(PH_ATTEND);
             } else {
-            /* biases, per-head norms, RoPE, and the new keys and values into the cache */
+                /* biases, per-head norms, RoPE, and the new keys and values into the cache */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t g = 0; g < M->kv_heads; g++)
-                    group_heads(M, S, L, r, g, q, k, v, cos_table + r * HD, sin_table + r * HD);
-            PROFILE(PH_ROPE_CACHE);
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t g = 0; g < M->kv_heads; g++)
+                        group_heads(M, S, L, r, g, q, k, v, cos_table + r * HD, sin_table + r * HD);
+                PROFILE(PH_ROPE_CACHE);
 
-            /* attention: each row over its own visible positions, in fixed chunks of keys. Each thread takes
-             * one work item at a time (dynamic, as a shared count), and takes its next one before it computes
-             * this one, so that this one asks for the next one's keys and values as it goes (attention.c). */
-            int64_t mine = claim(claims + l);
-            work_item w = mine < items ? item_span(M, S, L, max_chunks, mine) : (work_item){0, 0, 0, 0};
-            int asked = 0; /* whether `w`'s keys and values were asked for during the item before */
-            while (mine < items) {
-                const int64_t next = claim(claims + l);
-                const work_item after = next < items ? item_span(M, S, L, max_chunks, next) : (work_item){0, 0, 0, 0};
-                /* the next item's keys and values come from memory too: asked for as this one computes */
-                const int then = after.first < after.last && first_of_sequence(S, after.r);
-                const attend_next ahead = {S->slots + S->slot_start[after.r], after.g, after.first, after.last};
-                if (w.first < w.last)
-                    llorch_attend_chunk_then(q + w.r * NQ, L->keys, L->values, w.g, group, HD, HD, L->kv_slots * HD,
-                                             M->attn_scale, S->slots + S->slot_start[w.r], w.first, w.last, scores,
-                                             parts + mine * part_size, first_of_sequence(S, w.r) && !asked,
-                                             then ? &ahead : NULL);
-                asked = then && w.first < w.last;
-                mine = next;
-                w = after;
-            }
+                /* attention: each row over its own visible positions, in fixed chunks of keys. Each thread takes
+                 * one work item at a time (dynamic, as a shared count), and takes its next one before it computes
+                 * this one, so that this one asks for the next one's keys and values as it goes (attention.c). */
+                int64_t mine = claim(claims + l);
+                work_item w = mine < items ? item_span(M, S, L, max_chunks, mine) : (work_item){0, 0, 0, 0};
+                int asked = 0; /* whether `w`'s keys and values were asked for during the item before */
+                while (mine < items) {
+                    const int64_t next = claim(claims + l);
+                    const work_item after =
+                        next < items ? item_span(M, S, L, max_chunks, next) : (work_item){0, 0, 0, 0};
+                    /* the next item's keys and values come from memory too: asked for as this one computes */
+                    const int then = after.first < after.last && first_of_sequence(S, after.r);
+                    const attend_next ahead = {S->slots + S->slot_start[after.r], after.g, after.first, after.last};
+                    if (w.first < w.last)
+                        llorch_attend_chunk_then(q + w.r * NQ, L->keys, L->values, w.g, group, HD, HD, L->kv_slots * HD,
+                                                 M->attn_scale, S->slots + S->slot_start[w.r], w.first, w.last, scores,
+                                                 parts + mine * part_size, first_of_sequence(S, w.r) && !asked,
+                                                 then ? &ahead : NULL);
+                    asked = then && w.first < w.last;
+                    mine = next;
+                    w = after;
+                }
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-            PROFILE(PH_ATTEND);
-            /* combine each head's chunks: the softmax over all its visible positions */
+                PROFILE(PH_ATTEND);
+                /* combine each head's chunks: the softmax over all its visible positions */
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t rh = 0; rh < R * M->heads; rh++) {
-                const int64_t r = rh / M->heads;
-                combine_head(M, S, L, parts, max_chunks, part_size, r, rh % M->heads, attn,
-                             whole_heads && r < o_quantized, xq);
-            }
-            if (!whole_heads) llorch_quantize_rows_ws(attn, o_quantized, NQ, xq);
-            PROFILE(PH_COMBINE);
+                for (int64_t rh = 0; rh < R * M->heads; rh++) {
+                    const int64_t r = rh / M->heads;
+                    combine_head(M, S, L, parts, max_chunks, part_size, r, rh % M->heads, attn,
+                                 whole_heads && r < o_quantized, xq);
+                }
+                if (!whole_heads) llorch_quantize_rows_ws(attn, o_quantized, NQ, xq);
+                PROFILE(PH_COMBINE);
             }
 
             /* output projection and the residual, then the MLP's input normed and quantized */
             project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O, NULL);
             if (lone) {  /* by every thread, into its own copies: o is read, not written */
-                for (int64_t i = 0; i < H; i++) own_scratch[i] = o[i];
-                for (int64_t i = 0; L->o_bias && i < H; i++) own_scratch[i] += L->o_bias[i];
-                if (M->sandwich) {
-                    rms_norm(own_scratch, L->post_attn_norm, H, M->eps, own_scratch);
-                    for (int64_t i = 0; i < H; i++) own_x[i] += own_scratch[i];
-                    rms_norm(own_x, L->pre_ffn_norm, H, M->eps, own_h);
-                } else {
-                    for (int64_t i = 0; i < H; i++) own_x[i] += own_scratch[i];
-                    rms_norm(own_x, L->post_attn_norm, H, M->eps, own_h);
-                }
-                quantize_input(own_h, 0, H, gate_up_quantized, own_xq);
+                attention_residual(M, L, o, own_scratch, own_x, own_h, 0, gate_up_quantized, own_xq);
             } else {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-            for (int64_t r = 0; r < R; r++) {
-                float *xr = x + r * H, *orow = o + r * H;
-                for (int64_t i = 0; L->o_bias && i < H; i++) orow[i] += L->o_bias[i];
-                if (M->sandwich) {
-                    rms_norm(orow, L->post_attn_norm, H, M->eps, orow);
-                    for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
-                    rms_norm(xr, L->pre_ffn_norm, H, M->eps, h + r * H);
-                } else {
-                    for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
-                    rms_norm(xr, L->post_attn_norm, H, M->eps, h + r * H);
-                }
-                quantize_input(h + r * H, r, H, gate_up_quantized, xq);
-            }
+                for (int64_t r = 0; r < R; r++)
+                    attention_residual(M, L, o + r * H, o + r * H, x + r * H, h + r * H, r, gate_up_quantized, xq);
             }
             PROFILE(PH_RESIDUAL);
 
@@ -488,19 +498,15 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN, NULL);
             /* the residual, then the next layer's attention input normed and quantized */
             if (lone) {  /* by every thread, into its own copies */
-                for (int64_t i = 0; i < H; i++) own_scratch[i] = o[i];
-                if (M->sandwich) rms_norm(own_scratch, L->post_ffn_norm, H, M->eps, own_scratch);
-                for (int64_t i = 0; i < H; i++) own_x[i] += own_scratch[i];
+                mlp_residual(M, L, o, own_scratch, own_x);
                 if (l + 1 < M->layers) attention_input(M, L + 1, own_x, own_h, 0, next_quantized, own_xq);
             } else {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
                 for (int64_t r = 0; r < R; r++) {
-                    float *xr = x + r * H, *orow = o + r * H;
-                    if (M->sandwich) rms_norm(orow, L->post_ffn_norm, H, M->eps, orow);
-                    for (int64_t i = 0; i < H; i++) xr[i] += orow[i];
-                    if (l + 1 < M->layers) attention_input(M, L + 1, xr, h + r * H, r, next_quantized, xq);
+                    mlp_residual(M, L, o + r * H, o + r * H, x + r * H);
+                    if (l + 1 < M->layers) attention_input(M, L + 1, x + r * H, h + r * H, r, next_quantized, xq);
                 }
             }
             PROFILE(PH_RESIDUAL);

@@ -336,9 +336,10 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
      * it): with the probe at 70-80 GB/s, the 3B file 1.05-1.06x, the 1.1B file 1.06-1.09x; at 40-50 GB/s
      * 1.00-1.03x (the 1.1B file two / three streams 1.04x / 1.05x); the default model level; the
      * AVX2 kernels 1.01x (measured once they asked at all: simd.h's prefetch_ahead). Nearer is worse
-     * for one stream: 2 KiB ahead 0.96x at 70-80 GB/s (an earlier measurement, 1 KiB: 0.90x). On Zen 4, one stream asking 2 and 4 KiB ahead was measured slower
-     * than the prefetchers alone: to be measured there again. A prompt's many rows are bound by
-     * computing: they do not ask. */
+     * for one stream: 2 KiB ahead 0.96x at 70-80 GB/s (an earlier measurement, 1 KiB: 0.90x); farther
+     * too: 6 / 8 / 16 KiB 0.97x / 0.95x / 0.93x at 65-75 GB/s, 0.97-0.98x at 40-45. On Zen 4, one
+     * stream asking 2 and 4 KiB ahead was measured slower than the prefetchers alone: to be measured
+     * there again. A prompt's many rows are bound by computing: they do not ask. */
     const int ahead = m <= ACT_TILE;
     /* A decode step's rows, few: each thread takes a fixed share of the chunks (static), the same share in every
      * pass, so that no pass waits for the one before (each output goes on in the thread that began it) and no
