@@ -64,7 +64,9 @@ def replicas_healthy(count: int) -> Callable[[httpx.Response], bool]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gemma3(tmp_path_factory.mktemp("ray-tiny") / "tiny.gguf")
+    # A wide MLP: a 2048-token job lives about a second (the narrow model ends it in a tenth, faster than a
+    # twin request and a cancel can cross the gateway), so the races below are won by a wide margin.
+    return write_tiny_gemma3(tmp_path_factory.mktemp("ray-tiny") / "tiny.gguf", ffn=16384)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +227,7 @@ def test_a_client_that_goes_away_cancels_its_job_on_the_replica(cluster: Server)
 
     Each client leaves only once its job runs (one that leaves sooner is rightly never run at all)."""
     url = cluster.base_url
-    body = {"model": MODEL, "prompt": "the a of", "max_tokens": 8000, "temperature": 0}  # about 3 s of work
+    body = {"model": MODEL, "prompt": "the a of", "max_tokens": 8000, "temperature": 0}  # seconds of work
     before = outcomes(url)
 
     def cancelled(count: int) -> Callable[[], bool]:

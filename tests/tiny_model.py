@@ -24,7 +24,8 @@ def tiny_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+def write_tiny_gemma3(path: Path, seed: int = 0, ffn: int = FFN) -> Path:
+    """`ffn` widens the MLP: the same vocabulary and shapes elsewhere, a step that takes longer."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = tiny_vocab()
     writer = gguf.GGUFWriter(str(path), "gemma3")
@@ -32,7 +33,7 @@ def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
     writer.add_context_length(8192)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(HEAD_DIM)
@@ -67,9 +68,9 @@ def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
         writer.add_tensor(f"{block}.attn_k_norm.weight", norm(HEAD_DIM))
         for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
             writer.add_tensor(f"{block}.{name}.weight", norm(HIDDEN))
-        writer.add_tensor(f"{block}.ffn_gate.weight", weight(FFN, HIDDEN))
-        writer.add_tensor(f"{block}.ffn_up.weight", weight(FFN, HIDDEN))
-        writer.add_tensor(f"{block}.ffn_down.weight", weight(HIDDEN, FFN))
+        writer.add_tensor(f"{block}.ffn_gate.weight", weight(ffn, HIDDEN))
+        writer.add_tensor(f"{block}.ffn_up.weight", weight(ffn, HIDDEN))
+        writer.add_tensor(f"{block}.ffn_down.weight", weight(HIDDEN, ffn))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
