@@ -213,7 +213,11 @@ static inline __attribute__((always_inline)) void q4_k_groups(int64_t supers, in
             __m256i even[2][TILE], odd[2][TILE]; /* 16-bit: at most 8 steps x 2 x 15 x 127 */
             for (int n = 0; n < groups; n++)
                 for (int t = 0; t < tile; t++) even[n][t] = odd[n][t] = _mm256_setzero_si256();
-            for (int step = 0; step < 8; step++) {
+            /* the eight steps unrolled: the loop's count, compare and branch, and the moves between its turns, were a
+             * tenth of a step's instructions. Measured with the avx2 kernels (two threads, Zen 5, the builds in
+             * turn in one process, same bits): decoding 8 / 16 / 32 streams of the 1.1B file 1.03x / 1.05x /
+             * 1.05x, 16 of the 3B 1.03x; one stream level (1.00x, 3B 0.995x), where the loop was no cost. */
+            _Pragma("GCC unroll 8") for (int step = 0; step < 8; step++) {
                 __m256i lo[2], hi[2];
                 for (int n = 0; n < groups; n++) {
                     const __m256i packed = step_at(g[n] + 128 + (8 * p + step) * 32);
