@@ -138,21 +138,23 @@ static inline __attribute__((always_inline)) void score16_of3(const float *q, co
     _mm512_storeu_ps(scores + u0, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
 
-static void score_all16(const float *q, const uint16_t *const *key_of, int64_t count, int64_t group, int64_t head_dim,
-                        float scale, int64_t units, float *scores, ahead *next) {
+static inline __attribute__((always_inline)) void score_all16(const float *q, const uint16_t *const *key_of,
+                                                             int64_t count, int64_t group, int64_t head_dim,
+                                                             float scale, int64_t units, float *scores, ahead *next) {
 #define SCORE_AT(heads, dim) for (int64_t u = 0; u + 16 <= units; u += 16) { \
                          score16(q, key_of, count, group, dim, scale, u, scores, heads); \
                          ahead_share(next, u + 16, units); \
                      }
     /* The common head sizes as constants: each query slice then lies at a fixed offset from q, where with the size
      * a variable the eight query pointers of a group of eight outran the registers and were read back from the
-     * stack at every product. Measured per work item of 128 positions (in cache, one thread, Zen 5, the builds
-     * in turn in one process, same bits): eight heads of 64 4.39 -> 3.94 us, eight of 128 6.84 -> 6.15, one of
-     * 128 2.45 -> 2.21, sixteen of 64 7.03 -> 6.53, the others level; sixteen streams of the 1.1B file at 2048
-     * positions (two threads, bench/step_profile.py, in turn, twice), attention 41.6 / 41.1 -> 36.8 / 33.4 ms a
-     * step, 195-196 -> 210-225 tok/s. A lone head of 64 (sixteen keys a pass) keeps the variable, as a constant
-     * it ran 0.69x; its item still read 0.93x (4.11-4.18 -> 4.39-4.58 us), its code unchanged: most of its time
-     * is the value-by-value sum of its values below (weigh_all8 has no path for one head of four slices). */
+     * stack at every product. This function inlined into its one caller: left out of line once it grew, the
+     * shapes that keep the variable lost 4-5%. Measured per work item of 128 positions (in cache, one thread,
+     * Zen 5, the builds in turn in one process, same bits; the same library against itself within 0.5%): eight
+     * heads of 64 4.49 -> 4.01 us, eight of 128 7.36 -> 6.23, one of 128 2.51 -> 2.30, one of 64 4.31 -> 4.23,
+     * twelve of 64 7.61 -> 7.40, four of 80 5.80 -> 5.69. Sixteen streams of the 1.1B file at 2048 positions
+     * (two threads, bench/step_profile.py, in turn, twice): attention 37.3 / 38.7 -> 32.7 / 35.6 ms a step,
+     * 206-210 -> 211-222 tok/s. A lone head of 64 (sixteen keys a pass) keeps the variable: as a constant it
+     * ran 0.69x. */
 #define SCORE(heads) do { \
         if (head_dim == 64 && (heads) >= 2) { SCORE_AT(heads, 64) } \
         else if (head_dim == 128 && (heads) >= 1) { SCORE_AT(heads, 128) } \
