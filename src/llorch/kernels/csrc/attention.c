@@ -331,11 +331,11 @@ static inline void score8(const float *q, const uint16_t *const *key_of, int64_t
 /* weigh_shared at AVX2's width. Weighted values of HEADS x SLICES units (eight values a slice, HEADS * SLICES =
  * 8): heads h0.. of slices s0.., summed over the chunk's positions in order, in registers, each value slice loaded
  * and widened once a position for all the heads that share it (weigh_slices8 widens it once per head). Each unit's
- * operations are weigh_slices8's (a product, then a sum), in its order: same bits. Measured per work item of 128 positions (in
- * cache, one thread, Zen 5, the builds in turn in one process): eight heads of 64 6.59 -> 5.78 us, four of 128
- * 7.40 -> 6.75, four of 256 12.61 -> 11.10, eight of 128 10.57 -> 8.96, two of 128 4.52 -> 4.12; sixteen streams
- * of the 1.1B file at 2048 positions (two threads, bench/step_profile.py, in turn, twice): attention 65.5 / 65.8
- * -> 60.7 / 59.4 ms a step. */
+ * operations are weigh_slices8's (a product, then a sum), in its order: same bits. Measured per work item of 128
+ * positions (in cache, one thread, Zen 5, the builds in turn in one process): eight heads of 64 6.59 -> 5.78 us,
+ * four of 128 7.40 -> 6.75, four of 256 12.61 -> 11.10, eight of 128 10.57 -> 8.96, two of 128 4.52 -> 4.12;
+ * sixteen streams of the 1.1B file at 2048 positions (two threads, bench/step_profile.py, in turn, twice):
+ * attention 65.5 / 65.8 -> 60.7 / 59.4 ms a step. */
 static inline __attribute__((always_inline)) void weigh_shared8(const float *scores, const uint16_t *const *value_of,
                                                                int64_t count, int64_t group, int64_t head_dim,
                                                                int64_t h0, int64_t s0, float *part, const int heads) {
@@ -424,7 +424,8 @@ static inline void heads_max(const float *scores, int64_t count, int64_t group, 
     for (; h < n; h += 16) {
         const __mmask16 lanes = n - h >= 16 ? 0xffff : (__mmask16)((1u << (n - h)) - 1);
         __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int64_t p = 0; p < count; p++) m = _mm512_max_ps(_mm512_maskz_loadu_ps(lanes, scores + p * group + h), m);
+        for (int64_t p = 0; p < count; p++)
+            m = _mm512_max_ps(_mm512_maskz_loadu_ps(lanes, scores + p * group + h), m);
         _mm512_mask_storeu_ps(best + h, lanes, m);
     }
 #elif defined(LLORCH_AVX2)
@@ -446,7 +447,8 @@ static inline void heads_sum(const float *scores, int64_t count, int64_t group, 
     for (; h < n; h += 16) {
         const __mmask16 lanes = n - h >= 16 ? 0xffff : (__mmask16)((1u << (n - h)) - 1);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t p = 0; p < count; p++) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, scores + p * group + h));
+        for (int64_t p = 0; p < count; p++)
+            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes, scores + p * group + h));
         _mm512_mask_storeu_ps(total + h, lanes, sum);
     }
 #elif defined(LLORCH_AVX2)
