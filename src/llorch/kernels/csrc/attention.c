@@ -573,7 +573,7 @@ void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const ui
 #endif
             }
             for (; i < units; i++) scores[i] = v_exp(scores[i] - best[i % group]);
-            heads_sum(scores, count, group, n, total);
+            heads_sum(scores + h0, count, group, n, total);
         } else {
             for (int64_t h = 0; h < n; h++) total[h] = 0.0f;
             for (int64_t p = 0; p < count; p++) {
@@ -596,7 +596,7 @@ void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const ui
     if (head_dim % 16 == 0) v = weigh_all8(scores, value_of, count, group, head_dim, part);
 #endif
 #if defined(LLORCH_AVX2) && !defined(__AVX512F__)
-    if ((group * head_dim) % 16 == 0) v = weigh_all_shared8(scores, value_of, count, group, head_dim, part);
+    v = weigh_all_shared8(scores, value_of, count, group, head_dim, part);
 #endif
     /* what is left, value by value: from value v * 16 of all the heads' values laid end to end */
     for (int64_t h = v * 16 / head_dim; h < group; h++) {
