@@ -183,6 +183,7 @@ static inline __attribute__((always_inline)) void score_all16(const float *q, co
             }
     }
 #undef SCORE
+#undef SCORE_AT
 }
 
 /* Weighted values of eight 16-value slices (unit u: head u / slices, slice u % slices), summed
