@@ -29,7 +29,9 @@ from llorch.kernels.rows import argmax_rows, mask_rows, sample_row
 pytestmark = pytest.mark.cpu
 
 VOCAB = 262_144
-LOGPROB = {"rel": 1e-6, "abs": 2e-5}  # numpy's log-probabilities against torch's
+# numpy's log-probabilities against torch's. torch sums the denominator's 262,144 float32 terms in lanes as wide
+# as the CPU's vectors, so its error depends on the CPU: under 2e-5 with AVX-512, 3.0e-5 seen with AVX2 alone.
+LOGPROB = {"rel": 1e-6, "abs": 1e-4}
 NAN, INF = float("nan"), float("inf")
 CPU = torch.device("cpu")
 FINITE = ("normal", "peaked", "flat", "masked")

@@ -150,7 +150,7 @@ def test_copying_a_text_gives_the_same_tokens_and_most_proposals_are_kept(engine
 @pytest.mark.parametrize("sampling", [
     SamplingParams(temperature=0.8, seed=7),
     SamplingParams(temperature=1.0, top_k=40, top_p=0.9, seed=3),
-    SamplingParams(temperature=0.5, repetition_penalty=1.05, presence_penalty=0.1, seed=11),
+    SamplingParams(temperature=0.5, repetition_penalty=1.02, presence_penalty=0.05, seed=11),
     SamplingParams(temperature=0.0, frequency_penalty=0.4, logit_bias=((235248, 2.0),)),
     SamplingParams(temperature=0.9, min_tokens=40, seed=5),
 ], ids=["temperature", "top-k-p", "penalties", "greedy-penalized", "min-tokens"])
