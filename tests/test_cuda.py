@@ -25,7 +25,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind", ["safetensors", "gguf-q8_0"])
 def test_model_is_resident_on_the_gpu_and_greedy_matches_cpu(tiny_models: dict[str, Path], kind: str) -> None:
-    device = resolve_backend("cuda").device
+    device = torch.device(resolve_backend("cuda").device)  # the backend names it; residency checks take a device
     on_gpu = load_model(tiny_models[kind], device, torch.float32)
     on_cpu = load_model(tiny_models[kind], torch.device("cpu"), torch.float32)
     assert_module_resident(device, on_gpu.model)
