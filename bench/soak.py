@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -136,9 +137,9 @@ def raw_exchange(url: str, request: bytes, timeout: float = 30) -> bytes:
     return bytes(answer)
 
 
-def slow_client_loop(url: str, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
+def slow_client_loop(url: str, running: Callable[[], bool], report: SoakReport, lock: threading.Lock) -> None:
     """Half a request, then silence, until the worker closes the connection (its read deadline)."""
-    while time.monotonic() < deadline:
+    while running():
         with socket.create_connection(address(url)) as connection:
             connection.sendall(b"POST /execute HTTP/1.1\r\nHost: soak\r\nContent-Length: 64\r\n")
             opened = time.monotonic()
@@ -176,12 +177,12 @@ def closed_by_peer(connection: socket.socket) -> bool:
     return connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] in TCP_CLOSED_STATES
 
 
-def stalled_reader_loop(url: str, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
+def stalled_reader_loop(url: str, running: Callable[[], bool], report: SoakReport, lock: threading.Lock) -> None:
     """Eight streamed choices of 512 tokens with 20 alternatives each (megabytes), never read, until the
     worker resets the connection."""
     body = {"prompt": " ".join(WORDS), "max_tokens": 512, "n": 8, "logprobs": 20, "ignore_eos": True,
             "stream": True}
-    while time.monotonic() < deadline:
+    while running():
         with stalled_request(url, "/v1/completions", body) as connection:
             give_up = time.monotonic() + STALL_GENERATION_S + WRITE_TIMEOUT_S
             while not closed_by_peer(connection) and time.monotonic() < give_up:
@@ -211,12 +212,12 @@ def abandon_unary(http: httpx.Client, model: str, rng: random.Random, report: So
             report.unary_answered += 1
 
 
-def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock: threading.Lock) -> None:
+def client_loop(url: str, index: int, running: Callable[[], bool], report: SoakReport, lock: threading.Lock) -> None:
     rng = random.Random(index)
     with httpx.Client(base_url=url, timeout=120) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
         n = 0
-        while time.monotonic() < deadline:
+        while running():
             n += 1
             job_id = f"soak-{index}-{n}"
             body = {"job_id": job_id, "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 200))),
@@ -266,17 +267,37 @@ def client_loop(url: str, index: int, deadline: float, report: SoakReport, lock:
                         report.problems.append(f"{job_id}: {terminals} terminal events")
 
 
-def soak(url: str, pid: int, clients: int, seconds: float, warmup: float = 0.0, stalled_readers: int = 0
-         ) -> SoakReport:
+class Running:
+    """Whether the clients go on: for `seconds`; then, given `enough`, until the report has what it asks
+    for or `longest` seconds have passed. Why: a test asks for every kind of event (so many jobs,
+    a disconnect, a cancel), and a loaded machine serves fewer jobs a second than a quiet one."""
+
+    def __init__(self, report: SoakReport, lock: threading.Lock, seconds: float,
+                 enough: Callable[[SoakReport], bool] | None, longest: float) -> None:
+        self.report, self.lock, self.seconds, self.enough, self.longest = report, lock, seconds, enough, longest
+        self.started = time.monotonic()
+
+    def __call__(self) -> bool:
+        elapsed = time.monotonic() - self.started
+        if elapsed < self.seconds:
+            return True
+        if self.enough is None or elapsed >= self.longest:
+            return False
+        with self.lock:
+            return not self.enough(self.report)
+
+
+def soak(url: str, pid: int, clients: int, seconds: float, warmup: float = 0.0, stalled_readers: int = 0,
+         enough: Callable[[SoakReport], bool] | None = None, longest: float = 0.0) -> SoakReport:
     report = SoakReport(clients=clients, seconds=seconds, rss_start_mb=rss_mb(pid))
     before = scrape(url)
     ended_before, accepted_before = ended_jobs(before), before.get("llorch_jobs_accepted_total", 0)
     lock = threading.Lock()
-    started = time.monotonic()
-    deadline = started + seconds
-    threads = [threading.Thread(target=slow_client_loop, args=(url, deadline, report, lock)) if i % 8 == 7 else
-               threading.Thread(target=client_loop, args=(url, i, deadline, report, lock)) for i in range(clients)]
-    threads += [threading.Thread(target=stalled_reader_loop, args=(url, deadline, report, lock))
+    running = Running(report, lock, seconds, enough, longest)
+    started = running.started
+    threads = [threading.Thread(target=slow_client_loop, args=(url, running, report, lock)) if i % 8 == 7 else
+               threading.Thread(target=client_loop, args=(url, i, running, report, lock)) for i in range(clients)]
+    threads += [threading.Thread(target=stalled_reader_loop, args=(url, running, report, lock))
                 for _ in range(stalled_readers)]
     for thread in threads:
         thread.start()

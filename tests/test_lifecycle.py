@@ -149,7 +149,8 @@ def test_sigterm_drains_every_stream_to_a_terminal_event_and_exits_0(tmp_path: P
 
 
 def test_short_soak_every_job_ends_once_and_nothing_leaks(worker: Worker) -> None:
-    report = soak(worker.base_url, worker.process.pid, clients=3, seconds=15)
+    report = soak(worker.base_url, worker.process.pid, clients=3, seconds=15,
+                  enough=lambda report: report.accepted > 5, longest=90)  # a loaded machine serves fewer a second
     assert report.accepted > 5
     assert report.server_errors_5xx == 0
     assert report.exactly_one_terminal == report.completed + report.cancelled
