@@ -191,11 +191,10 @@ def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -
 
     import llama_build
     import streams
-    from launch import free_port, start_server, stop
+    from launch import free_port, llama_healthy, start_server, stop
     from speed import (
         PROMPT_TOKENS,
         SERVER_CONTEXT,
-        llama_healthy,
         llama_server_command,
         llorch_healthy,
         llorch_worker_command,
@@ -265,8 +264,8 @@ def compare_clients(label: str, trees: dict[str, Path], args: argparse.Namespace
 def serve_clients(label: str, trees: dict[str, Path], args: argparse.Namespace, clients: int) -> list[str]:
     import concurrency
     import llama_build
-    from launch import free_port, start_server, stop
-    from speed import llama_healthy, llama_server_command, llorch_healthy, llorch_worker_command
+    from launch import free_port, llama_healthy, start_server, stop
+    from speed import llama_server_command, llorch_healthy, llorch_worker_command
 
     model = MODELS[label]()
     jobs = {name: concurrency.llorch_job for name in trees} | {"llama-server": concurrency.llama_job}

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +33,8 @@ import httpx
 import torch
 
 from concurrency import Level, llama_job, llorch_job, run_level
-from launch import free_port, start_server, start_worker, stop
+from launch import free_port, llama_healthy, start_server, start_worker, stop
+from llama_build import convert_hf_to_gguf
 from models import RANDOM_LLAMAS
 
 CLIENTS = (1, 8, 32, 64)
@@ -77,9 +76,7 @@ def build_model(work: Path, source: Path, tokenizer: Path, device: str, layers: 
     model.save_pretrained(directory, safe_serialization=True)
     del model
     f16 = work / "llama-1.1b-random-f16.gguf"
-    environment = {**os.environ, "PYTHONPATH": f"{source / 'gguf-py'}:{os.environ.get('PYTHONPATH', '')}"}
-    subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(directory), "--outfile", str(f16),
-                    "--outtype", "f16"], check=True, env=environment, stdout=subprocess.DEVNULL)
+    convert_hf_to_gguf(directory, f16, "f16", tool=source)
     return f16
 
 
@@ -213,10 +210,6 @@ def llama_bench(build: Path, path: Path) -> dict[str, float]:
             for r in json.loads(text)}
 
 
-def llama_healthy(response: httpx.Response) -> bool:
-    return response.status_code == 200
-
-
 def llama_server(build: Path, path: Path) -> dict[str, Any]:
     idle = gpu_used_mb()
     port = free_port()
@@ -275,8 +268,6 @@ def main() -> None:
         while not (build / "ended").exists() and time.time() + 120 < args.deadline:  # the build's own mark
             time.sleep(2)
         q4 = model / "llama-1.1b-random-q4_k_m.gguf"
-        environment = {**os.environ, "LD_LIBRARY_PATH": f"{build / 'bin'}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-        os.environ.update(environment)
         row("llama_quantize", 100, args.deadline)(lambda: subprocess.run(
             [str(build / "bin" / "llama-quantize"), str(f16), str(q4), "Q4_K_M"], check=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode)

@@ -54,6 +54,11 @@ def healthy(response: httpx.Response) -> bool:
     return response.status_code == 200 and response.json().get("status") == "healthy"
 
 
+def llama_healthy(response: httpx.Response) -> bool:
+    """llama-server is ready when /health answers 200 (503 while it loads)."""
+    return response.status_code == 200
+
+
 def wait_ready(server: Server, ready: Callable[[httpx.Response], bool] = healthy,
                timeout: float = START_TIMEOUT_S) -> None:
     began = time.perf_counter()

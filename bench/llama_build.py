@@ -167,9 +167,10 @@ def bindings() -> ModuleType:
     return llama_cpp
 
 
-def convert_hf_to_gguf(directory: Path, output: Path, outtype: str = "f16") -> None:
-    """llama.cpp's own converter from the pinned source, with its own gguf-py."""
-    tool = converter()
+def convert_hf_to_gguf(directory: Path, output: Path, outtype: str = "f16", tool: Path | None = None) -> None:
+    """llama.cpp's own converter from the pinned source, with its own gguf-py; `tool`: a directory holding both
+    (an unpacked source's llama.cpp), else the cached converter."""
+    tool = tool or converter()
     environment = {**os.environ, "PYTHONPATH": f"{tool / 'gguf-py'}:{os.environ.get('PYTHONPATH', '')}"}
     subprocess.run([sys.executable, str(tool / "convert_hf_to_gguf.py"), str(directory), "--outfile", str(output),
                     "--outtype", outtype], check=True, env=environment, stdout=subprocess.DEVNULL)

@@ -67,7 +67,7 @@ import llama_build
 import models
 import speculative
 import streams
-from launch import free_port, start_server, stop
+from launch import free_port, llama_healthy, start_server, stop
 from llorch.engine.factory import kv_dtype
 from llorch.engine.kv.pool import BLOCK_SIZE, HOST_KV_DTYPE, bytes_per_block
 from llorch.engine.runner import ChunkInput, ModelRunner
@@ -437,10 +437,6 @@ def llama_server_command(args: argparse.Namespace, model: Path, port: int, slots
 
 def llorch_healthy(response: httpx.Response) -> bool:
     return response.json().get("status") == "healthy"
-
-
-def llama_healthy(response: httpx.Response) -> bool:
-    return response.status_code == 200
 
 
 # -- one model -----------------------------------------------------------------------------------------
