@@ -275,6 +275,14 @@ static inline int64_t llorch_block_at(int64_t group_bytes, int64_t block_values,
 void llorch_interleaved_groups(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb,
                                const act_block *const *x, int tile, float *out, int64_t ldo, int carry,
                                int ahead);
+#if defined(LLORCH_AVX2) && !defined(LLORCH_VNNI)
+/* The same for `rows` activation rows (row i's blocks at x + i * stride, into out + i * ldo), each group's
+ * weights unpacked once for all of them (interleaved_avx2.c says why), with llorch_interleaved_groups' bits.
+ * The AVX2 kernels take that path from INTERLEAVED_WIDE_ROWS rows on (matmul.c). */
+#define INTERLEAVED_WIDE_ROWS 9 /* three tiles: at eight rows (two) it was level (products 0.98-1.09x, eight clients 0.99x) */
+void llorch_interleaved_wide(int type, const uint8_t *w, int64_t k, int64_t ga, int64_t gb, const act_block *x,
+                             int64_t stride, int64_t rows, float *out, int64_t ldo, int carry, int ahead);
+#endif
 
 /* AMX (amx.c, the amx variant). Whether this process may use the tile registers (asked once), and
  * how many of m activation rows of a matrix of `type` the AMX kernel takes (a multiple of 16; 0 where

@@ -227,6 +227,13 @@ static inline void product_chunk(const product *P, int64_t c, int64_t pass, int 
                 const uint8_t *w = W->data + llorch_block_at(group_bytes, block_values, n / 8, k, 0,
                                                              segment * (SEGMENT / block_values));
                 const int64_t width = k - segment * SEGMENT < SEGMENT ? k - segment * SEGMENT : SEGMENT;
+#ifdef INTERLEAVED_WIDE_ROWS
+                if (i1 - i0 >= INTERLEAVED_WIDE_ROWS) {
+                    llorch_interleaved_wide(W->type, w, width, ga, gb, xq + i0 * blocks + segment * (SEGMENT / QK),
+                                            blocks, i1 - i0, out + i0 * n, n, segment > 0, ahead);
+                    continue;
+                }
+#endif
                 /* INTERLEAVED_TILE rows at a time while as many are left, then four at most */
                 for (int64_t i = i0, tile; i < i1; i += tile) {
                     tile = i1 - i >= INTERLEAVED_TILE ? INTERLEAVED_TILE : i1 - i < 4 ? i1 - i : 4;
