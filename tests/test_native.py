@@ -268,6 +268,41 @@ def test_a_lone_decoding_row_gives_the_bits_of_the_same_row_in_a_batch(served: L
     assert runner.forward([ChunkInput([token], len(ids) + 6, alone, True)]).ctypes.data == at
 
 
+def test_decoding_rows_get_the_same_bits_whichever_thread_takes_each_chunk(served: LoadedModel) -> None:
+    """A decoding product's chunks are each thread's fixed share, but a thread done with its own takes chunks off
+    the end of another's, from the pass that one is in (matmul.c's decode_chunks). With more threads than cores
+    the host runs them very unevenly, so chunks are taken, a lone row's and a batch's, in products of one pass
+    and of several: every logit is still, to the bit, the one-thread step's."""
+    lib = build.library()
+    ids = served.tokenizer.encode(PROMPT)
+    threads = build.threads()
+
+    def decode(count: int) -> list[np.ndarray]:
+        build.set_threads(count)
+        runner, blocks = native_runner(served, 4 * len(ids) + 32)
+        width = len(blocks) // 2
+        first, second = blocks[:width], blocks[width:]
+        runner.forward([ChunkInput(ids, 0, first, True)])
+        runner.forward([ChunkInput(ids, 0, second, True)])
+        out = []
+        for step in range(6):
+            position = len(ids) + step
+            out.append(runner.forward([ChunkInput([ids[step]], position, first, True)]).copy())
+            out.append(runner.forward([ChunkInput([ids[step]], position, first, True),
+                                       ChunkInput([ids[-step]], position, second, True)]).copy())
+        return out
+
+    try:
+        alone = decode(1)
+        lib.llorch_take_chunks_taken()
+        crowded = decode(6)
+        taken = lib.llorch_take_chunks_taken()
+    finally:
+        build.set_threads(threads)
+    assert taken > 0, "six threads on this machine's cores took no chunk off another's share"
+    assert all(np.array_equal(a, b) for a, b in zip(alone, crowded, strict=True))
+
+
 @pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["found by the product", "found after the soft cap"])
 def test_the_step_s_argmax_takes_the_first_of_equal_logits_and_leaves_nan_rows_to_the_array(
         tmp_path: Path, softcap: float) -> None:

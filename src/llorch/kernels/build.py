@@ -190,6 +190,7 @@ _SIGNATURES = {
     "llorch_bf16_takes": ([_P, _INT], _INT),
     "llorch_decoder_forward": ([_P, _P, _INT], _INT),
     "llorch_fail_allocations": ([_INT], None),
+    "llorch_take_chunks_taken": ([], _I64),
     "llorch_amx_ready": ([], _INT),
     "llorch_struct_layout": ([_INT, _P], _I64),
     "llorch_argmax_rows": ([_P, _I64, _I64, _P], None),

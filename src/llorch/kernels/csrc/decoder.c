@@ -84,11 +84,13 @@ static int64_t quantized_rows(const matrix *mats, int count, int64_t m, const ui
  * 0.64 -> 0.52 ms a token on the 1.1B file, 0.15 -> 0.11 on the default model (under 1% of a
  * step: decode rates alike within the host's noise). Rows from `prompt_from` on are a prompt's own:
  * where the bfloat16 tile kernel takes every matrix, it computes them, from xb. `best`: the row_best of a
- * product whose rows all go through the 8-bit kernels (the vocabulary projection, whose xb is NULL), or NULL. */
+ * product whose rows all go through the 8-bit kernels (the vocabulary projection, whose xb is NULL), or NULL.
+ * `shares`: the region's chunk_share per thread. */
 static void project(const matrix *mats, int count, const float *x, int64_t m, int64_t k, const act_block *xq,
-                    uint16_t *xb, int64_t prompt_from, float *const *outs, int phase, const row_best *best) {
+                    uint16_t *xb, int64_t prompt_from, float *const *outs, int phase, const row_best *best,
+                    chunk_share *shares) {
     const int64_t split = bf16_split(mats, count, m, xb, prompt_from);
-    if (split > 0) llorch_matmul_group_ws(mats, count, x, xq, split, outs, best);
+    if (split > 0) llorch_matmul_group_ws(mats, count, x, xq, split, outs, best, shares);
     if (split < m) {
         float *shifted[3];
         for (int i = 0; i < count; i++) shifted[i] = outs[i] + split * mats[i].rows;
@@ -304,8 +306,9 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
     /* a lone row's copies per thread: its residual stream, its norm, a scratch row, and the norm quantized */
     float *own_rows = llorch_alloc(sizeof(float) * (size_t)(lone ? teams * 3 * H : 1));
     act_block *own_blocks = llorch_alloc(sizeof(act_block) * (size_t)(lone ? teams * (H / QK + 1) : 1));
+    chunk_share *shares = llorch_alloc(sizeof(chunk_share) * (size_t)teams);
     void *buffers[] = {x, h, q, k, v, attn, o, gate, up, parts, xq, rope_tables, all_scores, best_max, best_at, claims,
-                       own_rows, own_blocks, xb};
+                       own_rows, own_blocks, shares, xb};
     const int count = (int)(sizeof(buffers) / sizeof(buffers[0]));
     int missing = xb_values > 0 && xb == NULL;
     for (int i = 0; i < count - 1; i++) missing |= buffers[i] == NULL;
@@ -315,6 +318,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
         return -1;
     }
     for (int64_t l = 0; l < M->layers; l++) claims[l] = 0;
+    memset(shares, 0, sizeof(chunk_share) * (size_t)teams);
     for (int64_t i = 0; i < spans; i++) best_at[i] = -2; /* a thread the region does not start saw nothing */
     const row_best bests = {best_max, best_at, best_stride};
     /* The vocabulary projection finds each row's argmax as it writes the logits, where no soft cap changes them
@@ -389,7 +393,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             /* q, k, v in one worksharing loop (their input was normed and quantized by the phase before) */
             const matrix qkv[3] = {L->q, L->k, L->v};
             float *qkv_out[3] = {q, k, v};
-            project(qkv, 3, own_h, R, H, own_xq, xb, S->prompt_from, qkv_out, PH_QKV, NULL);
+            project(qkv, 3, own_h, R, H, own_xq, xb, S->prompt_from, qkv_out, PH_QKV, NULL, shares);
 
             if (fused_attention) {
                 /* a lone row at short context: each thread its kv heads, from RoPE to the softmax (one chunk of keys
@@ -458,7 +462,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
             }
 
             /* output projection and the residual, then the MLP's input normed and quantized */
-            project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O, NULL);
+            project(&L->o, 1, attn, R, NQ, xq, xb, S->prompt_from, &o, PH_O, NULL, shares);
             if (lone) {  /* by every thread, into its own copies: o is read, not written */
                 attention_residual(M, L, o, own_scratch, own_x, own_h, 0, gate_up_quantized, own_xq);
             } else {
@@ -472,7 +476,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
 
             /* the MLP */
             float *gate_up_out[2] = {gate, up};
-            project(gate_up, 2, own_h, R, H, own_xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP, NULL);
+            project(gate_up, 2, own_h, R, H, own_xq, xb, S->prompt_from, gate_up_out, PH_GATE_UP, NULL, shares);
             /* the activation in spans of each row, so that one decoding row's is shared by the threads;
              * each span quantized as it is done (whole blocks: SPAN is a multiple of 32) */
 #ifdef _OPENMP
@@ -495,7 +499,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
                 if (r < down_quantized) llorch_quantize_rows(a_span, 1, n, xq + (r * I + first) / QK);
             }
             PROFILE(PH_ACTIVATION);
-            project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN, NULL);
+            project(&L->down, 1, h, R, I, xq, xb, S->prompt_from, &o, PH_DOWN, NULL, shares);
             /* the residual, then the next layer's attention input normed and quantized */
             if (lone) {  /* by every thread, into its own copies */
                 mlp_residual(M, L, o, own_scratch, own_x);
@@ -530,7 +534,7 @@ int llorch_decoder_forward(const model_desc *M, const step_desc *S, int threads)
         }
         PROFILE(PH_NORM);
         project(M->head, 1, own_h, wanted, H, own_xq, NULL, wanted, &S->logits, PH_HEAD,
-                head_finds_best ? &bests : NULL);
+                head_finds_best ? &bests : NULL, shares);
         if (head_finds_best) llorch_best_join_ws(&bests, teams, wanted, S->best);
         if (M->logit_softcap != 0.0f) {
             const float cap = M->logit_softcap;

@@ -370,10 +370,22 @@ typedef struct {
     int64_t stride;
 } row_best;
 
+/* One thread's share of a decoding product's chunks, whose end the other threads take once their own is done
+ * (matmul.c says why): a cache line per thread, zeroed before the parallel region opens and kept for all of it.
+ * `range`: the product, the pass and the chunks its thread has left (matmul.c's range_word); only its thread
+ * writes `products`, the count of products it began. */
+typedef struct {
+    _Alignas(64) uint64_t range;
+    uint32_t products;
+} chunk_share;
+
 /* Several matrices sharing one input (q, k and v; gate and up), as one worksharing loop; `best` (NULL for none)
- * finds the first matrix's row_best, where that matrix is the only one. */
+ * finds the first matrix's row_best, where that matrix is the only one. `shares` (NULL for none): one per thread
+ * of the region, for the threads to even out a decoding product's end. */
 void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const act_block *xq, int64_t m,
-                            float *const *outs, const row_best *best);
+                            float *const *outs, const row_best *best, chunk_share *shares);
+/* Tests: how many chunks threads have taken off other threads' shares (chunk_share) since the last call. */
+int64_t llorch_take_chunks_taken(void);
 /* out[i] = row i's argmax from the `teams` threads' row_best (a worksharing loop over the m rows). */
 void llorch_best_join_ws(const row_best *best, int teams, int64_t m, int64_t *out);
 

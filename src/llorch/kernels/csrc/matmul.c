@@ -9,6 +9,7 @@
  * Every output is summed in one fixed order whatever the number of rows in the call or
  * the thread that computes it, so a row's result does not depend on its batch.
  */
+#include <sched.h>
 #include <stdlib.h>
 
 #include "simd.h"
@@ -283,8 +284,133 @@ static inline void product_chunk(const product *P, int64_t c, int64_t pass, int 
     }
 }
 
+/* One turn of a thread waiting for another's range: a pause, which leaves the core's shared resources to its
+ * other thread, and after some 4096 turns (0.1-0.3 ms) a yield as well. Why: with more threads than cores (or a
+ * server's threads beside the step's) the thread waited for may be the one the spinning one keeps off its core. */
+static inline void wait_turn(int *turns) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+    if (++*turns > 4096) sched_yield();
+}
+
+/* A chunk_share's range word: the product's number (12 bits), the pass its owner is in (8), then the first and the
+ * end of the chunks left in that pass (22 each). */
+#define SHARE_BITS 22
+#define SHARE_MASK ((UINT64_C(1) << SHARE_BITS) - 1)
+#define PASS_SHIFT (2 * SHARE_BITS)
+#define NUMBER_SHIFT (PASS_SHIFT + 8)
+#define MOST_PASSES 255
+typedef struct {
+    uint64_t number;
+    int64_t pass, from, to;
+} share_range;
+
+static inline uint64_t range_word(share_range r) {
+    return r.number << NUMBER_SHIFT | (uint64_t)r.pass << PASS_SHIFT | (uint64_t)r.from << SHARE_BITS |
+           (uint64_t)r.to;
+}
+
+static inline share_range range_of(uint64_t word) {
+    const share_range r = {word >> NUMBER_SHIFT, (int64_t)(word >> PASS_SHIFT & 0xff),
+                           (int64_t)(word >> SHARE_BITS & SHARE_MASK), (int64_t)(word & SHARE_MASK)};
+    return r;
+}
+
+static int64_t chunks_taken; /* llorch_take_chunks_taken's count */
+
+int64_t llorch_take_chunks_taken(void) { return __atomic_exchange_n(&chunks_taken, 0, __ATOMIC_RELAXED); }
+
+/* The first of thread t's chunks in its fixed share of `chunks` among `crew` threads (as a static schedule). */
+static inline int64_t share_first(int64_t chunks, int crew, int t) {
+    const int64_t base = chunks / crew, extra = chunks % crew;
+    return t * base + (t < extra ? t : extra);
+}
+
+/* A decode step's chunks: each thread its fixed share (llorch_matmul_group_ws says why), pass by pass, from the
+ * front; then, its own done, it takes chunks off the end of another thread's share, about half of the work that
+ * share has left, and does each taken chunk's passes from the one its owner is in.
+ * Why: the shares are equal in bytes, but the host runs the two threads at unequal speeds, so at each product's
+ * barrier one of them waited, and one thread alone reads memory at some 12 GB/s where two read 16-21. Measured
+ * decoding one stream (two threads, Zen 3, the step's product barriers timed): a thread waited 2-4.6 ms of the
+ * 1.1B file's 33-39 ms a token, 3-21 ms of the 3B's 108-126; now 0.3-0.9 ms, the barriers' own cost. The builds
+ * in turn beside a read probe (48 windows): the 1.1B file 0.79 -> 0.88 of the probe (1.12x tok/s), the 3B 0.87
+ * -> 0.88, the default model 0.99 -> 1.00 (1.06x tok/s); 8 to 32 streams level (0.98-1.13x, within the noise).
+ * Taking chunks only off the last pass (each owner's earlier passes its own) left the 3B at 0.87 -> 0.83: its
+ * down projection is eight passes, and the thread ahead spun until the other began its last.
+ * Every claim goes through the share's range word: its owner takes a few chunks at a time from the front (a
+ * compare-exchange on a line the others read only once they are done), another thread lowers its end. A chunk's
+ * passes so run in order, its earlier ones by the owner, which moves to a pass only through the word (release)
+ * once it is done with the one before: a thread that takes the chunk through the word (acquire) reads its
+ * outputs so far as written. Each chunk's own arithmetic is unchanged: the same bits on whichever thread. */
+static void decode_chunks(const product *P, int64_t chunks, int64_t passes, chunk_share *shares, int *amx_k) {
+#ifdef _OPENMP
+    const int tid = omp_get_thread_num(), crew = omp_get_num_threads();
+#else
+    const int tid = 0, crew = 1;
+#endif
+    const int64_t first = share_first(chunks, crew, tid), end = share_first(chunks, crew, tid + 1), last = passes - 1;
+    if (shares == NULL || crew == 1 || chunks > (int64_t)SHARE_MASK || passes > MOST_PASSES) {
+        for (int64_t pass = 0; pass < passes; pass++)
+            for (int64_t c = first; c < end; c++) product_chunk(P, c, pass, amx_k);
+        return;
+    }
+    chunk_share *own = shares + tid;
+    const uint64_t number = ++own->products & 0xfff;
+    const share_range start = {number, 0, first, end};
+    __atomic_store_n(&own->range, range_word(start), __ATOMIC_RELEASE);
+    for (;;) {
+        uint64_t word = __atomic_load_n(&own->range, __ATOMIC_RELAXED);
+        share_range r = range_of(word);
+        if (r.from >= r.to) {  /* this pass done: the next one over what is left of the share, or the end */
+            if (r.pass == last || r.to == first) break;
+            const share_range next = {number, r.pass + 1, first, r.to};
+            __atomic_compare_exchange_n(&own->range, &word, range_word(next), 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+            continue;
+        }
+        const int64_t from = r.from, take = 1 + (r.to - r.from) / 32 < 4 ? 1 + (r.to - r.from) / 32 : 4;
+        r.from += take;
+        if (!__atomic_compare_exchange_n(&own->range, &word, range_word(r), 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            continue;
+        for (int64_t c = from; c < from + take; c++) product_chunk(P, c, r.pass, amx_k);
+    }
+    for (int other = 1; other < crew; other++) {
+        const int t = (tid + other) % crew;
+        const int64_t their_first = share_first(chunks, crew, t);
+        chunk_share *theirs = shares + t;
+        int turns = 0;
+        for (;;) {
+            uint64_t word = __atomic_load_n(&theirs->range, __ATOMIC_ACQUIRE);
+            share_range r = range_of(word);
+            if (r.number != number) {
+                if ((r.number + 1 & 0xfff) != number) break; /* not a product behind: nothing to take */
+                wait_turn(&turns); /* not yet begun this product: its range comes */
+                continue;
+            }
+            /* the chunk passes it has left: the rest of this pass, and every later pass over its share */
+            const int64_t left = r.to - r.from + (last - r.pass) * (r.to - their_first);
+            if (left == 0) break;
+            if (r.from >= r.to) {  /* between two passes */
+                wait_turn(&turns);
+                continue;
+            }
+            const int64_t passes_left = last - r.pass + 1, half = (left + 2 * passes_left - 1) / (2 * passes_left);
+            const int64_t take = half < r.to - r.from ? half : r.to - r.from, to = r.to;
+            r.to -= take;
+            if (!__atomic_compare_exchange_n(&theirs->range, &word, range_word(r), 0, __ATOMIC_ACQ_REL,
+                                             __ATOMIC_ACQUIRE))
+                continue;
+            __atomic_add_fetch(&chunks_taken, take, __ATOMIC_RELAXED);
+            for (int64_t pass = r.pass; pass < passes; pass++)
+                for (int64_t c = to - take; c < to; c++) product_chunk(P, c, pass, amx_k);
+        }
+    }
+}
+
 void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const act_block *xq, int64_t m,
-                            float *const *outs, const row_best *best) {
+                            float *const *outs, const row_best *best, chunk_share *shares) {
     int64_t first_chunk[4] = {0, 0, 0, 0};
     for (int i = 0; i < count; i++) first_chunk[i + 1] = first_chunk[i] + (mats[i].rows + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t k = mats[0].cols, blocks = k / QK;
@@ -348,9 +474,10 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
      * stream asking 2 and 4 KiB ahead was measured slower than the prefetchers alone: to be measured
      * there again. A prompt's many rows are bound by computing: they do not ask. */
     const int ahead = m <= ACT_TILE;
-    /* A decode step's rows, few: each thread takes a fixed share of the chunks (static), the same share in every
-     * pass, so that no pass waits for the one before (each output goes on in the thread that began it) and no
-     * chunk is claimed through a count both threads write. Why: where the host puts the two threads on cores
+    /* A decode step's rows, few: each thread takes a fixed share of the chunks, the same share in every pass,
+     * so that no pass waits for the one before (each output goes on in the thread that began it) and no chunk
+     * is claimed through a count both threads write while both have work (decode_chunks: only a thread done
+     * with its own share takes the end of another's). Why: where the host puts the two threads on cores
      * that share no cache, a line passing between them takes 400-700 ns instead of 100 (and the read probe
      * finds 60-75 GB/s instead of 30-50); guided's claims and the barriers between passes then cost every
      * product a few microseconds. Measured decoding one stream (two threads, Zen 5, windows in turn, each held
@@ -363,24 +490,19 @@ void llorch_matmul_group_ws(const matrix *mats, int count, const float *x, const
     const product P = {mats, facts, first_chunk, x, xq, outs, &acts, best, m, k, blocks, segments, passes, amx_rows,
                        slot, ahead};
     const int64_t chunks = first_chunk[count];
-    for (int64_t pass = 0; pass < passes; pass++) {
-        if (fixed) {
+    if (fixed) {
+        decode_chunks(&P, chunks, passes, shares, &amx_k);
 #ifdef _OPENMP
-#pragma omp for schedule(static) nowait
+#pragma omp barrier
 #endif
-            for (int64_t c = 0; c < chunks; c++) product_chunk(&P, c, pass, &amx_k);
-        } else {
+    } else {
+        for (int64_t pass = 0; pass < passes; pass++) {
 #ifdef _OPENMP
 #pragma omp for schedule(guided, 8)
 #endif
             for (int64_t c = 0; c < chunks; c++) product_chunk(&P, c, pass, &amx_k);
         }
     }
-#ifdef _OPENMP
-    if (fixed) {
-#pragma omp barrier
-    }
-#endif
     if (amx_rows > 0 || acts.q || acts.d || acts.dsum) {  /* after the loop's barrier: every chunk is done */
 #ifdef _OPENMP
 #pragma omp single nowait
@@ -411,7 +533,7 @@ int llorch_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float 
 #endif
     {
         if (!is_float_type(type)) llorch_quantize_rows_ws(x, m, k, xq);
-        llorch_matmul_group_ws(&W, 1, x, xq, m, &out, NULL);
+        llorch_matmul_group_ws(&W, 1, x, xq, m, &out, NULL, NULL);
     }
     return llorch_take_allocation_failure() ? -1 : 0;
 }
