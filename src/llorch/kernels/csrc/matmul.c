@@ -301,8 +301,9 @@ static inline void wait_turn(int *turns) {
 #define SHARE_BITS 22
 #define SHARE_MASK ((UINT64_C(1) << SHARE_BITS) - 1)
 #define PASS_SHIFT (2 * SHARE_BITS)
+#define PASS_MASK 0xff /* also the most passes a product may have and take chunks */
 #define NUMBER_SHIFT (PASS_SHIFT + 8)
-#define MOST_PASSES 255
+#define NUMBER_MASK 0xfff
 typedef struct {
     uint64_t number;
     int64_t pass, from, to;
@@ -314,7 +315,7 @@ static inline uint64_t range_word(share_range r) {
 }
 
 static inline share_range range_of(uint64_t word) {
-    const share_range r = {word >> NUMBER_SHIFT, (int64_t)(word >> PASS_SHIFT & 0xff),
+    const share_range r = {word >> NUMBER_SHIFT, (int64_t)(word >> PASS_SHIFT & PASS_MASK),
                            (int64_t)(word >> SHARE_BITS & SHARE_MASK), (int64_t)(word & SHARE_MASK)};
     return r;
 }
@@ -352,13 +353,13 @@ static void decode_chunks(const product *P, int64_t chunks, int64_t passes, chun
     const int tid = 0, crew = 1;
 #endif
     const int64_t first = share_first(chunks, crew, tid), end = share_first(chunks, crew, tid + 1), last = passes - 1;
-    if (shares == NULL || crew == 1 || chunks > (int64_t)SHARE_MASK || passes > MOST_PASSES) {
+    if (shares == NULL || crew == 1 || chunks > (int64_t)SHARE_MASK || passes > PASS_MASK) {
         for (int64_t pass = 0; pass < passes; pass++)
             for (int64_t c = first; c < end; c++) product_chunk(P, c, pass, amx_k);
         return;
     }
     chunk_share *own = shares + tid;
-    const uint64_t number = ++own->products & 0xfff;
+    const uint64_t number = ++own->products & NUMBER_MASK;
     const share_range start = {number, 0, first, end};
     __atomic_store_n(&own->range, range_word(start), __ATOMIC_RELEASE);
     for (;;) {
@@ -385,7 +386,7 @@ static void decode_chunks(const product *P, int64_t chunks, int64_t passes, chun
             uint64_t word = __atomic_load_n(&theirs->range, __ATOMIC_ACQUIRE);
             share_range r = range_of(word);
             if (r.number != number) {
-                if ((r.number + 1 & 0xfff) != number) break; /* not a product behind: nothing to take */
+                if ((r.number + 1 & NUMBER_MASK) != number) break; /* not a product behind: nothing to take */
                 wait_turn(&turns); /* not yet begun this product: its range comes */
                 continue;
             }
