@@ -288,7 +288,8 @@ def test_the_cache_holds_keys_and_values_as_float16_rounded_to_nearest_even(lib)
 
 @pytest.mark.parametrize(("group", "head_dim", "count"), [(8, 64, 128), (8, 64, 37), (4, 256, 77), (2, 64, 5),
                                                       (2, 128, 33), (7, 64, 128), (3, 80, 50), (3, 128, 41),
-                                                      (1, 128, 1), (5, 32, 9), (16, 64, 40), (32, 16, 20)])
+                                                      (1, 128, 1), (5, 32, 9), (16, 64, 40), (32, 16, 20),
+                                                      (4, 128, 70), (1, 64, 19)])
 def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group: int, head_dim: int,  # type: ignore[no-untyped-def]
                                                                      count: int) -> None:
     """Each head's max score, weight sum and weighted values over a chunk of cached positions
@@ -298,7 +299,8 @@ def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group
     values summed eight slices at a time and the rest value by value (starting inside a head
     when its slices do not divide by eight), and head sizes that are not a multiple of 16; and
     the groups whose query and key slices are each loaded once (a group dividing sixteen or
-    divided by it, a head of 1, 2, 4 or a multiple of 8 slices), and a group of three, whose slices
+    divided by it, eight or divided by it with AVX2 alone; a head of 1, 2, 4 or a multiple of 8
+    slices), and a group of three, whose slices
     are loaded once too; values shared by four heads (a group of 4, 8, 16) or by two (a group of two
     with heads of 8 slices or more).
     """

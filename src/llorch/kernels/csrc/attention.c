@@ -30,6 +30,7 @@ typedef struct {
     const uint16_t *keys, *values;
     const int64_t *slots;
     int64_t stride, offset, head_dim, count, done;
+    uint64_t share; /* positions asked for per unit of this item's scores, in 32.32 fixed point */
 } ahead;
 
 /* Ask for the next item's positions up to `upto` (of its count). */
@@ -43,8 +44,9 @@ static inline void ahead_to(ahead *a, int64_t upto) {
     }
 }
 
-/* As far as the next item's asking goes after `done` of `units` units of this item's scores. */
-static inline void ahead_share(ahead *a, int64_t done, int64_t units) { ahead_to(a, done * a->count / units); }
+/* As far as the next item's asking goes after `done` units of this item's scores: a product, not a division,
+ * for it runs once every sixteen (eight) units. */
+static inline void ahead_share(ahead *a, int64_t done) { ahead_to(a, (int64_t)(((uint64_t)done * a->share) >> 32)); }
 
 #if defined(__AVX512F__)
 /* Sixteen float16 values at p, as floats. */
@@ -143,7 +145,7 @@ static inline __attribute__((always_inline)) void score_all16(const float *q, co
                                                              float scale, int64_t units, float *scores, ahead *next) {
 #define SCORE_AT(heads, dim) for (int64_t u = 0; u + 16 <= units; u += 16) { \
                          score16(q, key_of, count, group, dim, scale, u, scores, heads); \
-                         ahead_share(next, u + 16, units); \
+                         ahead_share(next, u + 16); \
                      }
     /* The common head sizes as constants: each query slice then lies at a fixed offset from q, where with the size
      * a variable the eight query pointers of a group of eight outran the registers and were read back from the
@@ -170,7 +172,7 @@ static inline __attribute__((always_inline)) void score_all16(const float *q, co
                     case 1: score16_of3(q, key_of, count, head_dim, scale, u, scores, 1); break;
                     default: score16_of3(q, key_of, count, head_dim, scale, u, scores, 2);
                 }
-                ahead_share(next, u + 16, units);
+                ahead_share(next, u + 16);
             }
             break;
         case 4: SCORE(4); break;
@@ -329,6 +331,109 @@ static inline void score8(const float *q, const uint16_t *const *key_of, int64_t
     _mm256_storeu_ps(scores + u0, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
 }
 
+/* score8 where its eight units share query and key slices: `heads` heads of 8 / heads keys from key p0 (a group
+ * of 1, 2 or 4: every head of each key), or eight heads of one key from head h0 (a group that eight divides),
+ * into out;
+ * each query slice and each key is loaded once a step for every unit that needs it. The same products in the
+ * same order, reduced by reduce8: score8's bits. Why: score8 keeps eight query and eight key pointers, which
+ * with its accumulators outran the registers, so each step read them back from the stack, and it asked per
+ * step whether the eight units shared a key; with the head size a constant (64, 128) each query slice lies
+ * at a fixed offset from one pointer. Measured below (score_all8). */
+static inline __attribute__((always_inline)) void score8_shared(const float *q, const uint16_t *const *key_of,
+                                                               int64_t p0, int64_t h0, int64_t head_dim, float scale,
+                                                               float *out, const int heads) {
+    const int positions = 8 / heads;
+    const float *qs = q + h0 * head_dim;
+    const uint16_t *ks[8];
+    for (int p = 0; p < positions; p++) ks[p] = key_of[p0 + p];
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8)
+        for (int p = 0; p < positions; p++) {
+            const __m256 key = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[p] + d)));
+            for (int h = 0; h < heads; h++)
+                acc[p * heads + h] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * head_dim + d), key, acc[p * heads + h]);
+        }
+    _mm256_storeu_ps(out, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
+}
+
+/* score8 for a group of three (Llama 3.2 3B's 24 query heads over 8 KV heads): eight units from head `first` of
+ * key p0 span up to four keys, each widened once a step, and the three query slices. score8's bits. */
+static inline __attribute__((always_inline)) void score8_of3(const float *q, const uint16_t *const *key_of, int64_t p0,
+                                                            int64_t head_dim, float scale, float *out, const int first) {
+    const int keys = (first + 7) / 3 + 1;
+    const uint16_t *ks[4];
+    for (int p = 0; p < keys; p++) ks[p] = key_of[p0 + p];
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        __m256 kv[4];
+        for (int p = 0; p < keys; p++) kv[p] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks[p] + d)));
+        for (int i = 0; i < 8; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + ((first + i) % 3) * head_dim + d), kv[(first + i) / 3], acc[i]);
+    }
+    _mm256_storeu_ps(out, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
+}
+
+/* Every whole eight of a chunk's units (scores[p * group + h]) through score8_shared or score8_of3 where the group
+ * allows, else score8, asking for the next item's keys and values as it goes; returns how many units that was.
+ * The units are walked by key and head, not divided out of their index: score8 divided twice a unit. Measured
+ * per work item of 128 positions, the next item asked for as the step asks (in cache, one thread, Zen 3, the
+ * builds in turn, the same bits in 1050 shapes), with ahead_share's product for its division: eight heads of 64
+ * (the 1.1B file) 10.7 -> 8.4 us, three of 128 (the 3B) 11.7 -> 7.7, four of 128 13.3 -> 8.5, one of 128 4.8 ->
+ * 3.6, sixteen of 64 23.8 -> 17.1. */
+static inline __attribute__((always_inline)) int64_t score_all8(const float *q, const uint16_t *const *key_of,
+                                                               int64_t count, int64_t group, int64_t head_dim,
+                                                               float scale, float *scores, ahead *next) {
+    const int64_t units = count * group, whole = units / 8 * 8;
+#define SHARED_AT(heads, dim) do { \
+        if ((heads) == 8) { \
+            for (int64_t p = 0; p < count; p++) { \
+                for (int64_t h0 = 0; h0 < group; h0 += 8) \
+                    score8_shared(q, key_of, p, h0, dim, scale, scores + p * group + h0, 8); \
+                ahead_share(next, (p + 1) * group); \
+            } \
+        } else { \
+            for (int64_t p = 0; p + 8 / (heads) <= count; p += 8 / (heads)) { \
+                score8_shared(q, key_of, p, 0, dim, scale, scores + p * (heads), heads); \
+                ahead_share(next, (p + 8 / (heads)) * (heads)); \
+            } \
+        } \
+    } while (0)
+#define SHARED(heads) do { \
+        if (head_dim == 64) SHARED_AT(heads, 64); \
+        else if (head_dim == 128) SHARED_AT(heads, 128); \
+        else SHARED_AT(heads, head_dim); \
+    } while (0)
+    switch (group) {
+        case 1: SHARED(1); return whole;
+        case 2: SHARED(2); return whole;
+        case 4: SHARED(4); return whole;
+        case 3:
+            for (int64_t u = 0, p = 0; u + 8 <= units; u += 8, p = u / 3) {
+                switch (u % 3) { /* the head unit u starts at: a constant in each copy */
+                    case 0: score8_of3(q, key_of, p, head_dim, scale, scores + u, 0); break;
+                    case 1: score8_of3(q, key_of, p, head_dim, scale, scores + u, 1); break;
+                    default: score8_of3(q, key_of, p, head_dim, scale, scores + u, 2);
+                }
+                ahead_share(next, u + 8);
+            }
+            return whole;
+        default:
+            if (group % 8 == 0) {
+                SHARED(8);
+                return whole;
+            }
+    }
+#undef SHARED
+#undef SHARED_AT
+    for (int64_t u = 0; u < whole; u += 8) {
+        score8(q, key_of, group, head_dim, scale, u, scores);
+        ahead_share(next, u + 8);
+    }
+    return whole;
+}
+
 /* weigh_shared at AVX2's width. Weighted values of HEADS x SLICES units (eight values a slice, HEADS * SLICES =
  * 8): heads h0.. of slices s0.., summed over the chunk's positions in order, in registers, each value slice loaded
  * and widened once a position for all the heads that share it (weigh_slices8 widens it once per head). Each unit's
@@ -485,11 +590,12 @@ void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const ui
                               const int64_t *slots, int64_t first, int64_t last, float *scores, float *part,
                               int from_memory, const attend_next *then) {
     const int64_t count = last - first, units = count * group;
-    ahead next = {keys, values, slots, slot_stride, 0, head_dim, 0, 0};
+    ahead next = {keys, values, slots, slot_stride, 0, head_dim, 0, 0, 0};
     if (then != NULL) {
         next.slots = then->slots + then->first;
         next.offset = then->g * head_stride;
         next.count = then->last - then->first;
+        if (units > 0) next.share = ((uint64_t)next.count << 32) / (uint64_t)units;
     }
     const float *q = q_row + g * group * head_dim;
     const uint16_t *key_of[ATTN_CHUNK], *value_of[ATTN_CHUNK];
@@ -517,7 +623,7 @@ void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const ui
      * the two builds in turn, three rounds): attention 4.80-5.38 -> 4.42-5.38 ms a token on the 1.1B
      * file, 18.6-19.5 -> 14.8-17.2 on the 3B. */
     if (from_memory) {
-        ahead own = {keys, values, slots + first, slot_stride, g * head_stride, head_dim, count, 0};
+        ahead own = {keys, values, slots + first, slot_stride, g * head_stride, head_dim, count, 0, 0};
         ahead_to(&own, count);
     }
     for (int64_t p = 0; p < count && p < AHEAD; p++) prefetch_halves(key_of[p], head_dim);
@@ -530,12 +636,7 @@ void llorch_attend_chunk_then(const float *q_row, const uint16_t *keys, const ui
     }
 #endif
 #if defined(LLORCH_AVX2) && !defined(__AVX512F__)
-    if (head_dim % 8 == 0) {
-        for (; u + 8 <= units; u += 8) {
-            score8(q, key_of, group, head_dim, scale, u, scores);
-            ahead_share(&next, u + 8, units);
-        }
-    }
+    if (head_dim % 8 == 0) u = score_all8(q, key_of, count, group, head_dim, scale, scores, &next);
 #endif
     for (; u < units; u++) scores[u] = dot_f32_f16(q + (u % group) * head_dim, key_of[u / group], head_dim) * scale;
     ahead_to(&next, next.count);
