@@ -301,8 +301,8 @@ def test_an_attention_work_item_is_the_softmax_attention_of_its_chunk(lib, group
     the groups whose query and key slices are each loaded once (a group dividing sixteen or
     divided by it, eight or divided by it with AVX2 alone; a head of 1, 2, 4 or a multiple of 8
     slices), and a group of three, whose slices
-    are loaded once too; values shared by four heads (a group of 4, 8, 16) or by two (a group of two
-    with heads of 8 slices or more).
+    are loaded once too; values shared by four heads (a group of 4, 8, 16), by two (a group of two
+    with heads of 8 slices or more) or, with AVX2 alone, by three (a group of three).
     """
     kv_heads, g, scale, first = 3, 1, 0.125, 4
     rng = np.random.default_rng(group * 1000 + head_dim + count)
