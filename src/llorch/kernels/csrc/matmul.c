@@ -386,7 +386,7 @@ static void decode_chunks(const product *P, int64_t chunks, int64_t passes, chun
             uint64_t word = __atomic_load_n(&theirs->range, __ATOMIC_ACQUIRE);
             share_range r = range_of(word);
             if (r.number != number) {
-                if ((r.number + 1 & NUMBER_MASK) != number) break; /* not a product behind: nothing to take */
+                if (((r.number + 1) & NUMBER_MASK) != number) break; /* not a product behind: nothing to take */
                 wait_turn(&turns); /* not yet begun this product: its range comes */
                 continue;
             }

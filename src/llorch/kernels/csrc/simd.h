@@ -60,6 +60,13 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
     for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + PREFETCH_AHEAD + line, 0, 3);
 }
 
+/* prefetch_ahead's requests for `bytes` from p, part `part` of `parts` (a block's lines split evenly): asked for
+ * a part at each of a block's steps instead of all at its start. */
+static inline __attribute__((always_inline)) void prefetch_part(const uint8_t *p, int64_t bytes, int part, int parts) {
+    const int64_t lines = (bytes + 63) / 64, from = lines * part / parts, to = lines * (part + 1) / parts;
+    for (int64_t line = from; line < to; line++) __builtin_prefetch(p + PREFETCH_AHEAD + 64 * line, 0, 3);
+}
+
 /* Asks for the cache lines of n float16 values from p (a key or value row read soon). */
 static inline __attribute__((always_inline)) void prefetch_halves(const uint16_t *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(p + i, 0, 3);
