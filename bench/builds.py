@@ -36,13 +36,12 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import models
+from decoders import Decoder
 from speed import SHARE_WINDOW, ReadProbe, bandwidth_table, cpu_flags, file_bytes_per_token, roofline_by_bandwidth
 
 WINDOW = 16  # decode tokens per window, as speed.py's roofline windows
@@ -52,126 +51,29 @@ MODELS = {"default": models.default_model, "1b": models.billion_model, "3b": mod
 HERE = Path(__file__).resolve().parent
 
 
-def context_text() -> str:
-    """Ordinary English text of some 8,000 tokens: --context's prompts are its first N tokens."""
-    return " ".join(f"Item {i} of the inventory is a box of {i % 7 + 2} red apples." for i in range(600))
-
-
-def serve(engine: str, model: str, window: int, threads: int, context: int) -> None:
-    """An engine's side: load, say `ready`, then per line read decode `window` tokens and answer the seconds."""
-    import speed
-
-    tokens = max(context, 1) + window + 16  # every window at the same positions after the prompt
-    if engine == "llorch-prompt":  # --http's in-process side: every window at the same positions after the prompt
-        import json
-
-        from llorch.engine.runner import ChunkInput
-        from llorch.kernels import build
-        from llorch.weights.native_loader import load_native
-
-        served = load_native(Path(model))
-        speed.wait_for_images()
-        ids = speed.prompt_ids(served)
-        build.set_threads(threads)
-        runner, blocks = speed.decode_runner(served, len(ids) + window + 1)
-        first = speed.greedy_token(runner, ChunkInput(ids, 0, blocks, True))
-        state = {"token": first, "position": len(ids)}
-
-        def step() -> None:
-            chunk = ChunkInput([state["token"]], state["position"], blocks, True)
-            state["token"], state["position"] = speed.greedy_token(runner, chunk), state["position"] + 1
-
-        print("ready", json.dumps(served.tokenizer.decode(ids[1:])), flush=True)
-        for _ in sys.stdin:
-            state["token"], state["position"] = first, len(ids)
-            started = time.perf_counter()
-            for _ in range(window):
-                step()
-            print(time.perf_counter() - started, flush=True)
-        os._exit(0)
-    if engine == "llorch":
-        from llorch.engine.runner import ChunkInput
-        from llorch.kernels import build
-        from llorch.weights.native_loader import load_native
-
-        served = load_native(Path(model))
-        speed.wait_for_images()
-        # BOS alone: a one-token prompt, the weight-bound case; or --context's prompt
-        first = speed.prompt_ids(served)[:1] if context <= 1 else served.tokenizer.encode(context_text())[:context]
-        if len(first) < context:
-            raise SystemExit(f"--context {context}: the prompt text has only {len(first)} tokens")
-        build.set_threads(threads)
-        runner, blocks = speed.decode_runner(served, tokens)
-        origin = {"token": speed.greedy_token(runner, ChunkInput(first, 0, blocks, True)), "position": len(first)}
-        state = dict(origin)
-
-        def step() -> None:
-            chunk = ChunkInput([state["token"]], state["position"], blocks, True)
-            state["token"], state["position"] = speed.greedy_token(runner, chunk), state["position"] + 1
-    else:
-        import llama_build
-
-        llm = llama_build.bindings().Llama(model_path=model, n_ctx=tokens, n_threads=threads,
-                                           n_threads_batch=threads, verbose=False)
-        # the same file's BOS: the prompt llorch's side decodes after; or --context's prompt, as many tokens
-        prompt = [llm.token_bos()] if context <= 1 else llm.tokenize(context_text().encode())[:context]
-        llm.eval(prompt)
-        origin = {"token": speed.llama_next_token(llm)}
-        state = dict(origin)
-
-        def step() -> None:
-            llm.eval([state["token"]])
-            state["token"] = speed.llama_next_token(llm)
-    print("ready", flush=True)
-    for _ in sys.stdin:
-        state.update(origin)  # back to the prompt's end: the window's positions again, its keys and values dropped
-        if engine != "llorch":
-            llm.n_tokens = len(prompt)  # the next eval takes the cache back to here
-        started = time.perf_counter()
-        for _ in range(window):
-            step()
-        print(time.perf_counter() - started, flush=True)
-    os._exit(0)  # llama-cpp-python's finalizers fail at interpreter exit; nothing is left to flush
-
-
-def start(engine: str, model: Path, tree: Path, args: argparse.Namespace) -> subprocess.Popen[str]:
-    """An engine's process; llorch's imports the package from `tree`'s sources."""
-    environment = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{HERE}"}
-    command = [sys.executable, str(HERE / "builds.py"), "--serve", engine, "--model", str(model),
-               "--threads", str(args.threads), "--windows", str(args.windows), "--context", str(args.context)]
-    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environment,
-                            cwd=str(HERE))
-
-
 def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> list[str]:
     model = MODELS[label]()
     file_bytes = file_bytes_per_token(model)
-    engines = {name: start("llorch", model, tree, args) for name, tree in trees.items()}
-    engines["llama.cpp"] = start("llama.cpp", model, HERE.parent, args)
+    engines = {name: Decoder("llorch", model, args.threads, WINDOW, args.context, tree) for name, tree in trees.items()}
+    engines["llama.cpp"] = Decoder("llama.cpp", model, args.threads, WINDOW, args.context)
     try:
-        for name, process in engines.items():
-            if process.stdout is None or process.stdout.readline().strip() != "ready":
-                return [f"{label}: {name} failed to load (its output is above)"]
+        for decoder in engines.values():
+            decoder.ready()
         probe = ReadProbe()
         rates: dict[str, list[float]] = {name: [] for name in engines}
         shares: dict[str, list[float]] = {name: [] for name in engines}
         steady: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
         probes = [probe()]
         for _ in range(args.windows):
-            for name, process in engines.items():
-                assert process.stdin is not None and process.stdout is not None
-                process.stdin.write("go\n")
-                process.stdin.flush()
-                rate = WINDOW / float(process.stdout.readline())
+            for name, decoder in engines.items():
+                rate = decoder.tokens_per_s()
                 probes.append(probe())
                 rates[name].append(rate)
                 shares[name].append(rate * file_bytes / ((probes[-2] + probes[-1]) / 2))
                 steady[name].append((probes[-2], probes[-1], shares[name][-1]))
     finally:
-        for process in engines.values():
-            if process.stdin is not None:
-                process.stdin.close()
-            process.wait()
+        for decoder in engines.values():
+            decoder.close()
     lines = [f"## {label}: {model.name}, {file_bytes / 1e6:.1f} MB of tensors a token; read bandwidth median "
              f"{statistics.median(probes) / 1e9:.1f} ({min(probes) / 1e9:.1f}..{max(probes) / 1e9:.1f}) GB/s; "
              f"{args.windows} windows of {WINDOW} tokens each"
@@ -187,8 +89,6 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
 
 
 def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -> list[str]:
-    import json
-
     import llama_build
     import streams
     from launch import free_port, llama_healthy, start_server, stop
@@ -201,21 +101,11 @@ def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -
     )
 
     model = MODELS[label]()
-    alone = start("llorch-prompt", model, trees["after"], args)
+    alone = Decoder("llorch", model, args.threads, HTTP_WINDOW, PROMPT_TOKENS, trees["after"])
+    decode_alone = alone.tokens_per_s
     servers: dict[str, Any] = {}
     try:
-        assert alone.stdout is not None and alone.stdin is not None
-        ready, _, prompt_json = alone.stdout.readline().partition(" ")
-        if ready != "ready":
-            return [f"{label}: the in-process side failed to load (its output is above)"]
-        prompt = json.loads(prompt_json)
-
-        def decode_alone() -> float:
-            assert alone.stdin is not None and alone.stdout is not None
-            alone.stdin.write("go\n")
-            alone.stdin.flush()
-            return HTTP_WINDOW / float(alone.stdout.readline())
-
+        prompt = alone.ready()
         for name, tree in trees.items():
             port = free_port()
             environment = {**os.environ, "PYTHONPATH": str(tree / "src")}
@@ -245,9 +135,7 @@ def compare_http(label: str, trees: dict[str, Path], args: argparse.Namespace) -
     finally:
         for server in servers.values():
             stop(server)
-        if alone.stdin is not None:
-            alone.stdin.close()
-        alone.wait()
+        alone.close()
     lines = [f"## {label}: {model.name}, over HTTP after a {PROMPT_TOKENS}-token prompt; {args.windows} windows of "
              f"{HTTP_WINDOW} tokens each; in-process decode (after) {statistics.median(inprocess):.1f} tok/s", "",
              "| engine | decode over HTTP, tok/s | of in-process decode |", "|---|---|---|"]
@@ -314,17 +202,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1, help="decode after a prompt of this many tokens")
     parser.add_argument("--clients", type=lambda text: [int(n) for n in text.split(",")], default=[],
                         help="the builds as workers serving this many clients at once (comma-separated: each)")
-    parser.add_argument("--serve", choices=("llorch", "llorch-prompt", "llama.cpp"), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is None:
         from llorch.host import physical_cores
 
         args.threads = physical_cores()
-    if args.serve:
-        window = HTTP_WINDOW if args.serve == "llorch-prompt" else WINDOW
-        serve(args.serve, args.model, window, args.threads, args.context)
-        return
     if not args.before:
         parser.error("--before REV is required")
     with tempfile.TemporaryDirectory(prefix="llorch-before-") as scratch:
@@ -336,7 +218,11 @@ def main() -> None:
             for label in args.models.split(","):
                 trees = {f"before ({args.before})": before, "after": args.after.resolve()}
                 way = compare_clients if args.clients else compare_http if args.http else compare
-                print("\n".join(["", *way(label, trees, args)]), flush=True)
+                try:
+                    lines = way(label, trees, args)
+                except Exception as exc:  # a model that fails is reported, the next still runs
+                    lines = [f"{label}: failed: {type(exc).__name__}: {exc}"]
+                print("\n".join(["", *lines]), flush=True)
         finally:
             subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force", str(before)], check=False)
 

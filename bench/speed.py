@@ -67,6 +67,7 @@ import llama_build
 import models
 import speculative
 import streams
+from decoders import Decoder, context_text
 from launch import free_port, llama_healthy, start_server, stop
 from llorch.engine.factory import kv_dtype
 from llorch.engine.kv.pool import BLOCK_SIZE, HOST_KV_DTYPE, bytes_per_block
@@ -125,8 +126,7 @@ def bytes_per_token(loaded: LoadedModel, model: Path) -> dict[str, int]:
 
 def prompt_ids(loaded: LoadedModel) -> list[int]:
     """Exactly PROMPT_TOKENS ids (BOS first) of ordinary English text."""
-    text = " ".join(f"Item {i} of the inventory is a box of {i % 7 + 2} red apples." for i in range(300))
-    return loaded.tokenizer.encode(text)[:PROMPT_TOKENS]
+    return loaded.tokenizer.encode(context_text())[:PROMPT_TOKENS]
 
 
 STEADY = 0.1  # a window whose two probes differ by at most this share of their mean ran at that bandwidth
@@ -327,105 +327,81 @@ class ReadProbe:
         return self.buffer.numel() * 4 / (time.perf_counter() - started)
 
 
-def roofline_windows(loaded: LoadedModel, ids: list[int], sizes: dict[str, int], model: Path,
-                     llama_cpp: Any | None, args: argparse.Namespace) -> dict[str, Any]:
-    """In-process decode's weight bytes per second over the read bandwidth probed on either side of it.
+def roofline_windows(model: Path, prompt: int, sizes: dict[str, int], llama_cpp: Any | None,
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """Decode's weight bytes per second over the read bandwidth probed on either side of it, each engine in a
+    process of its own (decoders.py: in this one, beside llama.cpp's bindings and torch's threads, ours
+    measured a sixth slow).
 
     This machine's bandwidth moves by half within seconds (neighbours on the host), and decode moves
     with it: probes taken around a whole 128-token decode put it anywhere from 60% to 100% of them. So
     each engine decodes in windows of ROOFLINE_WINDOW tokens, ours and llama.cpp's in turn, a probe
     between every two windows, and each window is held to the mean of the probes on either side of it
     (a window apart: 0.15 s on the default model, about 1.3 s on the 3B); the figures are medians over
-    the windows. `ids`: the prompt decoded after (its first token alone: the weight-bound case, where
-    attention has next to nothing to read).
+    the windows. `prompt`: the tokens decoded after (one, BOS alone: the weight-bound case, where
+    attention has next to nothing to read; or the bench's prompt).
     Every window decodes from the prompt's end again, overwriting the window before, so that each one
     runs at the context its row names. Carried on from window to window instead, the weight-bound row
     ended at 385 positions (three repetitions), where the default model's attention reads 7 MB of keys
     and values a token beside its 246 MB of weights, and computes over them. Measured in one process,
     windows in turn with a probe between (Zen 5, 2 threads, the probe at 39 GB/s): our windows ran at
     0.998 of the probe from the prompt's end, 0.965 carried on."""
-    windows = ROOFLINE_WINDOWS * args.reps
-    tokens = len(ids) + ROOFLINE_WINDOW + 1
-    runner, blocks = decode_runner(loaded, tokens)
-    first = greedy_token(runner, ChunkInput(ids, 0, blocks, True))
-
-    def ours() -> float:
-        token = first
-        started = time.perf_counter()
-        for position in range(len(ids), len(ids) + ROOFLINE_WINDOW):
-            token = greedy_token(runner, ChunkInput([token], position, blocks, True))
-        return sizes["llorch"] * ROOFLINE_WINDOW / (time.perf_counter() - started)
-
-    engines: dict[str, Callable[[], float]] = {"llorch": ours}
+    engines = {"llorch": Decoder("llorch", model, args.threads, ROOFLINE_WINDOW, prompt)}
     if llama_cpp is not None:
-        llm = llama_cpp.Llama(model_path=str(model), n_ctx=tokens + 16, n_batch=PROMPT_TOKENS,
-                              n_ubatch=PROMPT_TOKENS, n_threads=args.threads, n_threads_batch=args.threads,
-                              verbose=False)
-        llm.eval(ids)
-        theirs_first = llama_next_token(llm)
-
-        def theirs() -> float:
-            llm.n_tokens = len(ids)  # its next eval drops the cache past the prompt, as ours is overwritten
-            token = theirs_first
-            started = time.perf_counter()
-            for _ in range(ROOFLINE_WINDOW):
-                llm.eval([token])
-                token = llama_next_token(llm)
-            return sizes["llama.cpp"] * ROOFLINE_WINDOW / (time.perf_counter() - started)
-
-        engines["llama.cpp"] = theirs
-    probe = ReadProbe()
-    runs: list[dict[str, float]] = []
-    steady: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
-    before = probe()
-    for _ in range(windows):
-        run = {}
-        probes = [before]
-        for name, decode in engines.items():
-            rate = decode()
-            after = probe()
-            run[name] = rate / ((before + after) / 2)
-            steady[name].append((before, after, run[name]))
-            probes.append(after)
-            before = after
-        runs.append({"bandwidth_gb_s": statistics.median(probes) / 1e9, **run})
+        engines["llama.cpp"] = Decoder("llama.cpp", model, args.threads, ROOFLINE_WINDOW, prompt)
+    try:
+        for decoder in engines.values():
+            decoder.ready()
+        probe = ReadProbe()
+        runs: list[dict[str, float]] = []
+        steady: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
+        before = probe()
+        for _ in range(ROOFLINE_WINDOWS * args.reps):
+            run = {}
+            probes = [before]
+            for name, decoder in engines.items():
+                rate = decoder.tokens_per_s() * sizes[name]
+                after = probe()
+                run[name] = rate / ((before + after) / 2)
+                steady[name].append((before, after, run[name]))
+                probes.append(after)
+                before = after
+            runs.append({"bandwidth_gb_s": statistics.median(probes) / 1e9, **run})
+    finally:
+        for decoder in engines.values():
+            decoder.close()
     return {**summarize(runs), "by_bandwidth": roofline_by_bandwidth(steady)}
 
 
-def http_share(command: list[str], url: str, loaded: LoadedModel, ids: list[int], prompt: str,
-               reps: int) -> dict[str, Any]:
+def http_share(command: list[str], url: str, model: Path, reps: int, threads: int) -> dict[str, Any]:
     """Decode over HTTP as a fraction of decode in-process, in short windows of each in turn against one worker.
 
     This machine's speed moves by a fifth within seconds (neighbours on the host), more than HTTP
     costs: whole 128-token decodes taken back to back gave pairs from 0.85 to 2 on the same build.
     So, as the roofline does, the two decode in windows of SHARE_WINDOW tokens in turn: in-process
-    at the same positions after the prompt every time, then a streamed request for as many tokens
-    after its first (the worker's prefix cache holds the prompt, so a request computes one token
-    of it), and each HTTP window is held to the mean of the in-process windows on either side of
-    it. The figures are medians over SHARE_WINDOWS * reps HTTP windows."""
-    runner, blocks = decode_runner(loaded, len(ids) + SHARE_WINDOW + 1)
-    first = greedy_token(runner, ChunkInput(ids, 0, blocks, True))
-
-    def alone() -> float:
-        token, started = first, time.perf_counter()
-        for i in range(SHARE_WINDOW):
-            token = greedy_token(runner, ChunkInput([token], len(ids) + i, blocks, True))
-        return SHARE_WINDOW / (time.perf_counter() - started)
-
-    server = start_server(command, url, llorch_healthy)
+    (a process of its own, as the roofline's) at the same positions after the bench's prompt every time, then
+    a streamed request for as many tokens after its first (the worker's prefix cache holds the prompt,
+    so a request computes one token of it), and each HTTP window is held to the mean of the in-process
+    windows on either side of it. The figures are medians over SHARE_WINDOWS * reps HTTP windows."""
+    alone = Decoder("llorch", model, threads, SHARE_WINDOW, PROMPT_TOKENS)
+    server = None
     try:
+        prompt = alone.ready()
+        server = start_server(command, url, llorch_healthy)
         streams.llorch(url, prompt, 2)  # the prompt into the worker's prefix cache
         runs = []
-        before = alone()
+        before = alone.tokens_per_s()
         for _ in range(SHARE_WINDOWS * reps):
             served = streams.decode_rate(streams.llorch(url, prompt, SHARE_WINDOW + 1)[0])
-            after = alone()
+            after = alone.tokens_per_s()
             beside = (before + after) / 2
             runs.append({"ratio": served / beside, "http_decode_tok_s": served, "in_process_decode_tok_s": beside})
             before = after
         return summarize(runs)
     finally:
-        stop(server)
+        if server is not None:
+            stop(server)
+        alone.close()
 
 
 def llorch_worker_command(args: argparse.Namespace, model: Path, port: int, slots: int, context: int) -> list[str]:
@@ -476,14 +452,14 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
         return summarize([bench_llorch(loaded, ids) for _ in range(args.reps + 1)][1:])  # the first: warm-up
 
     attempt(section, "llorch (in-process)", lambda: in_process(served))
+    served = None  # the rows below start processes of their own: free this copy first
     for name, length in ROOFLINE_PROMPTS.items():
         attempt(section, name, lambda length=length: roofline_windows(  # type: ignore[misc]
-            served, ids[:length], section["bytes_per_token"], model, llama_cpp, args), into="roofline")
+            model, length, section["bytes_per_token"], llama_cpp, args), into="roofline")
     port = free_port()
     attempt(section, "llorch HTTP / in-process", lambda: http_share(
-        llorch_worker_command(args, model, port, 1, SERVER_CONTEXT), f"http://127.0.0.1:{port}", served, ids,
-        prompt, args.reps), into="http_share")
-    served = None  # the worker rows below start their own processes: free this copy first
+        llorch_worker_command(args, model, port, 1, SERVER_CONTEXT), f"http://127.0.0.1:{port}", model, args.reps,
+        args.threads), into="http_share")
     if not args.skip_dequantize:
         def dense() -> dict[str, Any]:
             return in_process(load_model(model, torch.device("cpu"), torch.float32))
