@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 import llama_build  # bench/ is on the path: scripts run from it
-from launch import free_port, start_server, stop
+from launch import Server, free_port, start_server, stop
 from llorch.weights.default_model import default_model_path
 from soak import rss_mb
 
@@ -132,36 +132,70 @@ def run_level(url: str, job: Callable[..., tuple[float, int]], clients: int, job
     return level
 
 
-def bench_server(name: str, command: list[str], url: str, ready: Callable[[httpx.Response], bool],
-                 job: Callable[..., tuple[float, int]], args: argparse.Namespace,
-                 env: dict[str, str] | None = None) -> dict[str, object]:
-    server = start_server(command, url, ready, env=env)
-    process = server.process
-    peak = [rss_mb(process.pid)]
+@dataclass
+class Served:
+    """A server to measure: how to start it, when it is ready, and its kind of job."""
+    command: list[str]
+    url: str
+    ready: Callable[[httpx.Response], bool]
+    job: Callable[..., tuple[float, int]]
+    env: dict[str, str] | None = None
+
+
+def bench_servers(servers: dict[str, Served], args: argparse.Namespace) -> dict[str, dict[str, object] | str]:
+    """Every server up at once, and each level (args.clients) run against one server after the other.
+
+    Why in turn: a level takes from seconds to minutes, and this machine's speed moves by a fifth within
+    seconds (neighbours on the host); run all of one server's levels and then the other's, the two
+    sides of a ratio were minutes apart. The waiting server sits idle. Per server: its start-to-ready,
+    peak resident memory over the run, and its levels; or, where it failed, the reason (the others go on)."""
+    started: dict[str, Server] = {}
+    results: dict[str, dict[str, object] | str] = {}
+    for name, served in servers.items():
+        try:
+            started[name] = start_server(served.command, served.url, served.ready, env=served.env)
+            with httpx.Client(base_url=served.url, timeout=600) as http:  # warm-up: first-request costs excluded
+                served.job(http, prompt_for(999, 0), 8, "bench-warmup")
+        except Exception as exc:  # a comparator that fails is reported; the others still run
+            results[name] = f"{type(exc).__name__}: {exc}"
+            print(f"    {name}: failed: {results[name]}", flush=True)
+    peak = {name: rss_mb(server.process.pid) for name, server in started.items()}
     sampling = threading.Event()
 
     def sample_rss() -> None:
         while not sampling.wait(0.2):
-            peak[0] = max(peak[0], rss_mb(process.pid))
+            for name, server in started.items():
+                peak[name] = max(peak[name], rss_mb(server.process.pid))
 
     sampler = threading.Thread(target=sample_rss)
     sampler.start()
+    levels: dict[str, list[Level]] = {name: [] for name in started}
     try:
-        with httpx.Client(base_url=url, timeout=600) as http:  # warm-up: first-request costs excluded
-            job(http, prompt_for(999, 0), 8, "bench-warmup")
-        levels = []
         for clients in args.clients:
-            level = run_level(url, job, clients, args.jobs_per_client, args.max_tokens)
-            levels.append(level)
-            print(f"    {name:9s} clients={clients:2d} {level.tokens_per_s:7.1f} tok/s  "
-                  f"TTFT p50 {level.percentile(0.5):6.2f} s  p99 {level.percentile(0.99):6.2f} s", flush=True)
+            for name, server in started.items():
+                if name in results:
+                    continue
+                try:
+                    level = run_level(server.base_url, servers[name].job, clients, args.jobs_per_client,
+                                      args.max_tokens)
+                except Exception as exc:  # this server's later levels are dropped, the others' go on
+                    results[name] = f"{type(exc).__name__}: {exc}"
+                    print(f"    {name}: failed at {clients} clients: {results[name]}", flush=True)
+                    continue
+                levels[name].append(level)
+                print(f"    {name:9s} clients={clients:2d} {level.tokens_per_s:7.1f} tok/s  "
+                      f"TTFT p50 {level.percentile(0.5):6.2f} s  p99 {level.percentile(0.99):6.2f} s", flush=True)
     finally:
         sampling.set()
         sampler.join()
-        stop(server, timeout=30)
-    return {"start_to_ready_s": server.start_to_ready_s, "peak_rss_mb": peak[0],
+        for server in started.values():
+            stop(server, timeout=30)
+    for name, server in started.items():
+        results.setdefault(name, {
+            "start_to_ready_s": server.start_to_ready_s, "peak_rss_mb": peak[name],
             "levels": [{**asdict(level), "tokens_per_s": level.tokens_per_s, "ttft_p50_s": level.percentile(0.5),
-                        "ttft_p99_s": level.percentile(0.99)} for level in levels]}
+                        "ttft_p99_s": level.percentile(0.99)} for level in levels[name]]})
+    return results
 
 
 def main() -> None:
@@ -179,18 +213,17 @@ def main() -> None:
     port = free_port()
     worker = [str(Path(sys.executable).parent / "llorch-cpu-worker"), "--port", str(port), "--threads",
               str(args.threads), "--max-running", str(slots), "--log-level", "warning"]
-    print("llorch worker", flush=True)
-    results["llorch"] = bench_server("llorch", worker, f"http://127.0.0.1:{port}",
-                                     lambda r: r.json().get("status") == "healthy", llorch_job, args)
+    servers = {"llorch": Served(worker, f"http://127.0.0.1:{port}", lambda r: r.json().get("status") == "healthy",
+                                llorch_job)}
     if not args.skip_llama:
         port = free_port()
         command = [str(llama_build.server_binary()), "-m", str(model), "--port", str(port), "-t", str(args.threads),
                    "-tb", str(args.threads), "-np", str(slots), "-c", str(slots * SLOT_CONTEXT), "-cb", "--no-webui",
                    "--threads-http", str(slots + 2)]
-        print("llama.cpp server", flush=True)
-        results["llama_cpp"] = bench_server("llama.cpp", command, f"http://127.0.0.1:{port}",
-                                            lambda r: r.status_code == 200, llama_job, args,
-                                            env=llama_build.library_environment())
+        servers["llama_cpp"] = Served(command, f"http://127.0.0.1:{port}", lambda r: r.status_code == 200, llama_job,
+                                      llama_build.library_environment())
+    for name, entry in bench_servers(servers, args).items():
+        results[name] = entry if isinstance(entry, dict) else {"failed": entry, "levels": []}
     report(results)
     save(results, "concurrency")
 
@@ -205,19 +238,22 @@ def save(results: dict[str, object], stem: str) -> None:
 
 def report(results: dict[str, object]) -> None:
     ours = results["llorch"]["levels"]  # type: ignore[index]
-    theirs = results.get("llama_cpp", {}).get("levels", [None] * len(ours))  # type: ignore[union-attr]
+    theirs = {lv["clients"]: lv for lv in results.get("llama_cpp", {}).get("levels", [])}  # type: ignore[union-attr]
     print("\n| clients | llorch tok/s | llama.cpp tok/s | ratio | llorch TTFT p50 / p99 (s) | "
           "llama.cpp TTFT p50 / p99 (s) |")
     print("|---|---|---|---|---|---|")
-    for mine, other in zip(ours, theirs, strict=True):
+    for mine in ours:
+        other = theirs.get(mine["clients"])
         ratio = f"{mine['tokens_per_s'] / other['tokens_per_s']:.2f}x" if other else "-"
         other_tps = f"{other['tokens_per_s']:.1f}" if other else "-"
         other_ttft = f"{other['ttft_p50_s']:.2f} / {other['ttft_p99_s']:.2f}" if other else "-"
         print(f"| {mine['clients']} | {mine['tokens_per_s']:.1f} | {other_tps} | {ratio} | "
               f"{mine['ttft_p50_s']:.2f} / {mine['ttft_p99_s']:.2f} | {other_ttft} |")
     for name in ("llorch", "llama_cpp"):
-        if name in results:
-            entry = results[name]  # type: ignore[index]
+        entry = results.get(name)
+        if isinstance(entry, dict) and "failed" in entry:
+            print(f"{name}: failed: {entry['failed']}")
+        elif isinstance(entry, dict):
             print(f"{name}: start-to-ready {entry['start_to_ready_s']:.1f} s, peak RSS {entry['peak_rss_mb']:.0f} MB")
 
 

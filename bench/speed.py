@@ -22,7 +22,8 @@ thread count:
 - start-to-ready: warm starts of the two servers in turn, START_TURNS per repetition of each
   (the goal's figure);
 - concurrency: aggregate tokens/s and time to first token at 1, 8, 16 and 32 streaming
-  clients against a llorch worker and llama-server with as many slots;
+  clients against a llorch worker and llama-server with as many slots, both up at once and
+  each level run against one and then the other;
 - fidelity: mean KL divergence and top-token agreement against the file computed exactly
   in float32, llorch beside llama.cpp (fidelity.py).
 Once, after the models: sentence embeddings with all-MiniLM-L6-v2, a llorch worker beside
@@ -424,11 +425,14 @@ def llorch_healthy(response: httpx.Response) -> bool:
 
 
 # -- one model -----------------------------------------------------------------------------------------
-def attempt(section: dict[str, Any], name: str, measure: Callable[[], Any], into: str = "engines") -> None:
-    """Run one row; a failure is recorded with its reason and the run goes on."""
+def attempt(section: dict[str, Any], name: str, measure: Callable[[], Any], into: str | None = "engines") -> None:
+    """Run one row (into section[into][name]; with `into` None the row files its own results); a failure is
+    recorded with its reason and the run goes on."""
     print(f"  {name}", flush=True)
     try:
-        section.setdefault(into, {})[name] = measure()
+        result = measure()
+        if into is not None:
+            section.setdefault(into, {})[name] = result
     except Exception as exc:  # a comparator that fails is reported, the other rows still run
         section.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
         print(f"    failed: {type(exc).__name__}: {exc}", flush=True)
@@ -490,16 +494,24 @@ def bench_model(args: argparse.Namespace, label: str, model: Path, llama_cpp: An
     if not args.skip_concurrency:
         slots = max(args.clients)
         port = free_port()
-        attempt(section, "llorch", lambda: concurrency.bench_server(
-            "llorch", [*llorch_worker_command(args, model, port, slots, concurrency.SLOT_CONTEXT), "--kv-cache-mb",
-                       str(-(-(slots * concurrency.SLOT_CONTEXT // BLOCK_SIZE + 1) * kv_block_bytes // 2**20))],
-            f"http://127.0.0.1:{port}", llorch_healthy, concurrency.llorch_job, args), into="concurrency")
+        servers = {"llorch": concurrency.Served(
+            [*llorch_worker_command(args, model, port, slots, concurrency.SLOT_CONTEXT), "--kv-cache-mb",
+             str(-(-(slots * concurrency.SLOT_CONTEXT // BLOCK_SIZE + 1) * kv_block_bytes // 2**20))],
+            f"http://127.0.0.1:{port}", llorch_healthy, concurrency.llorch_job)}
         if llama_cpp is not None:
             port = free_port()
-            attempt(section, "llama.cpp", lambda: concurrency.bench_server(
-                "llama.cpp", llama_server_command(args, model, port, slots, concurrency.SLOT_CONTEXT),
-                f"http://127.0.0.1:{port}", llama_healthy, concurrency.llama_job, args,
-                env=llama_build.library_environment()), into="concurrency")
+            servers["llama.cpp"] = concurrency.Served(
+                llama_server_command(args, model, port, slots, concurrency.SLOT_CONTEXT), f"http://127.0.0.1:{port}",
+                llama_healthy, concurrency.llama_job, llama_build.library_environment())
+
+        def clients_in_turn() -> None:
+            for name, entry in concurrency.bench_servers(servers, args).items():
+                if isinstance(entry, str):
+                    section.setdefault("failed", {})[f"{name} (concurrency)"] = entry
+                else:
+                    section.setdefault("concurrency", {})[name] = entry
+
+        attempt(section, "concurrency: the servers in turn at each level", clients_in_turn, into=None)
     if not args.skip_fidelity:
         attempt(section, "kl", lambda: fidelity.measure(model, args.threads, llama_cpp), into="fidelity")
     if not args.skip_speculative and label == "default":  # a real model: random weights accept no proposal
