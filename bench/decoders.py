@@ -10,10 +10,12 @@ values overwritten), so that each runs at the context its row names: a prompt of
 (BOS alone for 1 or less, the weight-bound case; otherwise the first `context` tokens of
 context_text, which begins with speed.py's prompt).
 
-Why a process each: decoding in the benchmark's own process, beside llama.cpp's bindings and the
-probe's torch threads, under-measured ours. In one hour on one machine (Zen 3, two threads) the 1.1B
-file decoded at 30.3 tok/s in that shared process, 35.0 over HTTP at the same positions, and 36.1
-in a process of its own."""
+Why a process each: a row's windows then run on a process holding nothing but that engine, whatever
+the rows before it left behind. In speed.py's own process, after its other rows, our windows on the
+1.1B file measured 30.3 tok/s in the hour that it decoded at 35.0 over HTTP at the same positions and
+at 36.1 here (Zen 3, two threads). What the earlier rows left is not known: beside llama.cpp's
+bindings alone, with no row before, the two placements measured level (24 windows in turn on that
+machine: 96% and 97% of the roofline)."""
 
 from __future__ import annotations
 

@@ -331,8 +331,7 @@ class ReadProbe:
 def roofline_windows(model: Path, prompt: int, sizes: dict[str, int], llama_cpp: Any | None,
                      args: argparse.Namespace) -> dict[str, Any]:
     """Decode's weight bytes per second over the read bandwidth probed on either side of it, each engine in a
-    process of its own (decoders.py: in this one, beside llama.cpp's bindings and torch's threads, ours
-    measured a sixth slow).
+    process of its own (decoders.py: here, after this process's other rows, ours measured a sixth slow).
 
     This machine's bandwidth moves by half within seconds (neighbours on the host), and decode moves
     with it: probes taken around a whole 128-token decode put it anywhere from 60% to 100% of them. So
