@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import models
-from decoders import Decoder
+from decoders import Decoder, windows_in_turn
 from speed import SHARE_WINDOW, ReadProbe, bandwidth_table, cpu_flags, file_bytes_per_token, roofline_by_bandwidth
 
 WINDOW = 16  # decode tokens per window, as speed.py's roofline windows
@@ -56,24 +56,12 @@ def compare(label: str, trees: dict[str, Path], args: argparse.Namespace) -> lis
     file_bytes = file_bytes_per_token(model)
     engines = {name: Decoder("llorch", model, args.threads, WINDOW, args.context, tree) for name, tree in trees.items()}
     engines["llama.cpp"] = Decoder("llama.cpp", model, args.threads, WINDOW, args.context)
-    try:
-        for decoder in engines.values():
-            decoder.ready()
-        probe = ReadProbe()
-        rates: dict[str, list[float]] = {name: [] for name in engines}
-        shares: dict[str, list[float]] = {name: [] for name in engines}
-        steady: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
-        probes = [probe()]
-        for _ in range(args.windows):
-            for name, decoder in engines.items():
-                rate = decoder.tokens_per_s()
-                probes.append(probe())
-                rates[name].append(rate)
-                shares[name].append(rate * file_bytes / ((probes[-2] + probes[-1]) / 2))
-                steady[name].append((probes[-2], probes[-1], shares[name][-1]))
-    finally:
-        for decoder in engines.values():
-            decoder.close()
+    taken = windows_in_turn(engines, args.windows, ReadProbe())
+    probes = [taken[next(iter(taken))][0][1], *(taken[name][i][2] for i in range(args.windows) for name in taken)]
+    rates = {name: [rate for rate, _, _ in held] for name, held in taken.items()}
+    steady = {name: [(before, after, rate * file_bytes / ((before + after) / 2)) for rate, before, after in held]
+              for name, held in taken.items()}
+    shares = {name: [share for _, _, share in held] for name, held in steady.items()}
     lines = [f"## {label}: {model.name}, {file_bytes / 1e6:.1f} MB of tensors a token; read bandwidth median "
              f"{statistics.median(probes) / 1e9:.1f} ({min(probes) / 1e9:.1f}..{max(probes) / 1e9:.1f}) GB/s; "
              f"{args.windows} windows of {WINDOW} tokens each"

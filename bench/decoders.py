@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,27 @@ class Decoder:
         if self.process.stdin is not None:
             self.process.stdin.close()
         self.process.wait(timeout=60)
+
+
+def windows_in_turn(engines: dict[str, Decoder], windows: int,
+                    probe: Callable[[], float]) -> dict[str, list[tuple[float, float, float]]]:
+    """`windows` windows of each engine in turn, a read `probe` between every two; per engine, each window's
+    (tokens/s, the probe before it, the probe after it). The engines are closed when it returns or fails."""
+    try:
+        for decoder in engines.values():
+            decoder.ready()
+        taken: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
+        before = probe()
+        for _ in range(windows):
+            for name, decoder in engines.items():
+                rate = decoder.tokens_per_s()
+                after = probe()
+                taken[name].append((rate, before, after))
+                before = after
+        return taken
+    finally:
+        for decoder in engines.values():
+            decoder.close()
 
 
 def serve(engine: str, model: Path, window: int, threads: int, context: int) -> None:

@@ -68,7 +68,7 @@ import llama_build
 import models
 import speculative
 import streams
-from decoders import Decoder, context_text
+from decoders import Decoder, context_text, windows_in_turn
 from launch import free_port, llama_healthy, start_server, stop
 from llorch.engine.factory import kv_dtype
 from llorch.engine.kv.pool import BLOCK_SIZE, HOST_KV_DTYPE, bytes_per_block
@@ -349,27 +349,15 @@ def roofline_windows(model: Path, prompt: int, sizes: dict[str, int], llama_cpp:
     engines = {"llorch": Decoder("llorch", model, args.threads, ROOFLINE_WINDOW, prompt)}
     if llama_cpp is not None:
         engines["llama.cpp"] = Decoder("llama.cpp", model, args.threads, ROOFLINE_WINDOW, prompt)
-    try:
-        for decoder in engines.values():
-            decoder.ready()
-        probe = ReadProbe()
-        runs: list[dict[str, float]] = []
-        steady: dict[str, list[tuple[float, float, float]]] = {name: [] for name in engines}
-        before = probe()
-        for _ in range(ROOFLINE_WINDOWS * args.reps):
-            run = {}
-            probes = [before]
-            for name, decoder in engines.items():
-                rate = decoder.tokens_per_s() * sizes[name]
-                after = probe()
-                run[name] = rate / ((before + after) / 2)
-                steady[name].append((before, after, run[name]))
-                probes.append(after)
-                before = after
-            runs.append({"bandwidth_gb_s": statistics.median(probes) / 1e9, **run})
-    finally:
-        for decoder in engines.values():
-            decoder.close()
+    windows = ROOFLINE_WINDOWS * args.reps
+    taken = windows_in_turn(engines, windows, ReadProbe())
+    steady = {name: [(before, after, rate * sizes[name] / ((before + after) / 2)) for rate, before, after in held]
+              for name, held in taken.items()}
+    first = next(iter(taken))
+    runs = []
+    for i in range(windows):  # a round: each engine's window i, and the probes around them
+        probes = [taken[first][i][1], *(taken[name][i][2] for name in taken)]
+        runs.append({"bandwidth_gb_s": statistics.median(probes) / 1e9, **{name: steady[name][i][2] for name in taken}})
     return {**summarize(runs), "by_bandwidth": roofline_by_bandwidth(steady)}
 
 
